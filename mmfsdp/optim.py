@@ -1,0 +1,82 @@
+"""Optimizers built from the unsharded model, then pointed at the wrapped one.
+
+mmengine builds the optimizer after wrapping. Under FSDP every parameter is
+then a flat 1-D shard under a prefixed name, so ``paramwise_cfg`` rules that
+look at ``ndim`` (``flat_decay_mult``), at norm-layer types or at names
+(``custom_keys``) silently put weights in the wrong groups. ``FSDPRunner``
+instead builds the optim wrapper on the unwrapped model, exactly as one
+process would, and :func:`retarget_parameters` swaps each group's parameters
+for the wrapped model's parameters of the same name.
+
+Clipping is the other half: mmengine clips with
+``torch.nn.utils.clip_grad_norm_`` over the local tensors, i.e. the norm of
+this rank's shard. :func:`clip_by_global_norm` routes it to the wrapper's
+collective ``clip_grad_norm_``, so every rank scales by the same global norm.
+"""
+import functools
+from typing import Dict, Iterator, Union
+
+import torch
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from torch import nn
+
+__all__ = ['clean_param_name', 'clip_by_global_norm', 'retarget_parameters']
+
+#: Module names that wrappers insert between a model and its parameters.
+_WRAPPER_TOKENS = frozenset({'_fsdp_wrapped_module', '_checkpoint_wrapped_module', 'module'})
+
+AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
+
+
+def clean_param_name(name: str) -> str:
+    """The unwrapped model's name of a wrapped model's parameter."""
+    return '.'.join(t for t in name.split('.') if t not in _WRAPPER_TOKENS)
+
+
+def _optim_wrappers(optim_wrapper: AnyOptimWrapper) -> Iterator[OptimWrapper]:
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        yield from optim_wrapper.optim_wrappers.values()
+    else:
+        yield optim_wrapper
+
+
+def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
+                        wrapped: nn.Module) -> None:
+    """Replace each optimizer parameter by the wrapped model's parameter of the same name.
+
+    Args:
+        optim_wrapper: Built on the unwrapped model, not stepped yet.
+        names: ``id(parameter) -> name`` of the unwrapped model.
+        wrapped: The wrapped model.
+
+    """
+    by_name = {clean_param_name(n): p for n, p in wrapped.named_parameters()}
+    for wrapper in _optim_wrappers(optim_wrapper):
+        optimizer = wrapper.optimizer
+        if optimizer.state:
+            raise RuntimeError('cannot move an optimizer that has state to the wrapped model; '
+                               'build it from a config instead of passing an instance')
+        for group in optimizer.param_groups:
+            try:
+                group['params'] = [by_name[names[id(p)]] for p in group['params']]
+            except KeyError as e:
+                raise RuntimeError(f'the wrapped model has no parameter {e}; parameters of the '
+                                   'optimizer must belong to the model') from None
+
+
+def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
+    """Make norm clipping use ``model.clip_grad_norm_`` (the norm over all ranks)."""
+    for wrapper in _optim_wrappers(optim_wrapper):
+        if getattr(wrapper, 'clip_func', None) is not torch.nn.utils.clip_grad_norm_:
+            continue
+        unsupported = set(wrapper.clip_grad_kwargs) - {'max_norm', 'norm_type'}
+        if unsupported:
+            raise ValueError(f'optim_wrapper.clip_grad: {sorted(unsupported)} not supported with '
+                             f'{type(model).__name__}; valid keys are max_norm, norm_type')
+        wrapper.clip_func = functools.partial(_clip_global, model)
+
+
+def _clip_global(model: nn.Module, params: object, max_norm: float,
+                 norm_type: float = 2.0) -> torch.Tensor:
+    del params  # the wrapper clips all of its gradients, whichever rank holds them
+    return model.clip_grad_norm_(max_norm, norm_type)

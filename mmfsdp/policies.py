@@ -1,0 +1,195 @@
+"""Auto-wrap policies: which submodules become their own FSDP unit.
+
+A policy is one predicate that serves FSDP1 and FSDP2 alike, with the signature
+torch's FSDP1 ``auto_wrap_policy`` callables have::
+
+    policy(module, recurse, nonwrapped_numel, **options) -> bool
+
+``recurse=True`` asks "look inside ``module``?", ``recurse=False`` asks "make
+``module`` a unit?", and ``nonwrapped_numel`` counts the parameters of
+``module`` not already claimed by a unit below it. :func:`plan_units` walks a
+model with exactly the semantics FSDP1 applies, so FSDP2 (which has no
+auto-wrap of its own) and the validation here see the same units FSDP1 builds.
+
+Policies are registered in :data:`mmfsdp.registry.FSDP_WRAP_POLICIES` and named
+in configs::
+
+    auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])
+    auto_wrap_policy=[dict(type='transformer', layer_cls=['Block']),   # any of
+                      dict(type='size_based', min_num_params=100_000)]
+
+Users register their own predicate, whose extra arguments become config keys::
+
+    @FSDP_WRAP_POLICIES.register_module()
+    def big_linears(module, recurse, nonwrapped_numel, min_params=1000):
+        return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
+"""
+import functools
+import inspect
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, Union
+
+from torch import nn
+
+from .options import resolve_module_classes, suggest
+from .registry import FSDP_WRAP_POLICIES
+
+__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units', 'size_based',
+           'transformer']
+
+#: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
+WrapPolicy = Callable[[nn.Module, bool, int], bool]
+
+PolicyConfig = Union[None, str, Mapping[str, Any], Callable, Sequence[Any]]
+
+#: Containers without a ``forward``: never a unit themselves, always looked into.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _resolves_options(resolver: Callable[..., Dict[str, Any]]) -> Callable:
+    """Attach ``resolver(model, key, **options) -> options`` to a policy.
+
+    It runs once, when the policy is built for a model, to check the options
+    against that model and turn names into the objects the predicate uses.
+    """
+
+    def attach(policy: Callable) -> Callable:
+        policy.resolve_options = resolver
+        return policy
+
+    return attach
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f'{key}: expected a positive number of parameters, got {value!r} '
+                         '(a unit with no parameters shards nothing)')
+    return value
+
+
+@FSDP_WRAP_POLICIES.register_module()
+@_resolves_options(lambda model, key, min_num_params: dict(
+    min_num_params=_positive_int(min_num_params, f'{key}.min_num_params')))
+def size_based(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+               min_num_params: int) -> bool:
+    """Make a unit of every module holding ``min_num_params`` not-yet-wrapped parameters."""
+    if recurse:
+        return nonwrapped_numel >= min_num_params or isinstance(module, _CONTAINERS)
+    return nonwrapped_numel >= min_num_params and not isinstance(module, _CONTAINERS)
+
+
+@FSDP_WRAP_POLICIES.register_module()
+@_resolves_options(lambda model, key, layer_cls: dict(
+    layer_cls=resolve_module_classes(layer_cls, model, f'{key}.layer_cls')))
+def transformer(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                layer_cls: Tuple[Type[nn.Module], ...]) -> bool:
+    """Make a unit of every instance of ``layer_cls`` (e.g. the transformer block)."""
+    return recurse or isinstance(module, layer_cls)
+
+
+@FSDP_WRAP_POLICIES.register_module()
+@_resolves_options(lambda model, key, module_cls: dict(
+    module_cls=resolve_module_classes(module_cls, model, f'{key}.module_cls')))
+def module_types(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                 module_cls: Tuple[Type[nn.Module], ...]) -> bool:
+    """Make a unit of every instance of ``module_cls`` (any module classes)."""
+    return recurse or isinstance(module, module_cls)
+
+
+def _any_of(policies: Sequence[WrapPolicy]) -> WrapPolicy:
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return any(p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
+                   for p in policies)
+
+    return policy
+
+
+def _build_one(cfg: Any, model: nn.Module, key: str) -> WrapPolicy:
+    if isinstance(cfg, str):
+        cfg = dict(type=cfg)
+    if not isinstance(cfg, Mapping):
+        if callable(cfg):
+            return cfg
+        raise TypeError(f'{key}: expected a policy name, dict(type=...), a callable or a list '
+                        f'of those, got {type(cfg).__name__} {cfg!r}')
+    options = {k: v for k, v in cfg.items() if k != 'type'}
+    name = cfg.get('type')
+    fn = name if callable(name) else FSDP_WRAP_POLICIES.get(name)
+    if fn is None:
+        names = sorted(FSDP_WRAP_POLICIES.module_dict)
+        raise KeyError(f'{key}.type: {name!r} is not a registered wrap policy'
+                       f'{suggest(name, names)}; registered policies are {names}')
+    try:
+        inspect.signature(fn).bind(model, True, 0, **options)
+    except TypeError as e:
+        params = list(inspect.signature(fn).parameters)[3:]
+        raise TypeError(f'{key}: policy {name!r} {e}; its options are {params}') from None
+    resolve = getattr(fn, 'resolve_options', None)
+    if resolve is not None:
+        options = resolve(model, key, **options)
+    return functools.partial(fn, **options)
+
+
+def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
+                      key: str = 'auto_wrap_policy') -> Union[WrapPolicy, None]:
+    """Build the policy a config names, checked against ``model``.
+
+    Args:
+        cfg: ``None`` (no auto-wrap: the whole model is one unit), a registered
+            name, ``dict(type=name, **options)``, a callable, or a list of
+            those (a module is wrapped if any of them says so).
+        model: The unwrapped model the policy will be applied to.
+        key: The config key, for error messages.
+
+    Raises:
+        KeyError: unknown policy name (the message lists registered names).
+        TypeError: unknown or missing policy option.
+        ValueError: a class name the model does not contain, or a policy
+            that would wrap no submodule at all.
+
+    """
+    if cfg is None:
+        return None
+    if isinstance(cfg, (list, tuple)):
+        if not cfg:
+            raise ValueError(f'{key}: an empty list of policies wraps nothing; use None')
+        policy = _any_of([_build_one(c, model, f'{key}[{i}]') for i, c in enumerate(cfg)])
+    else:
+        policy = _build_one(cfg, model, key)
+    if not plan_units(model, policy):
+        raise ValueError(f'{key}: {cfg!r} makes no unit of any submodule of '
+                         f'{type(model).__name__}, so nothing would be sharded separately; '
+                         'check the class names / thresholds, or use auto_wrap_policy=None '
+                         'to shard the whole model as one unit on purpose')
+    return policy
+
+
+def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
+    """Names of the submodules ``policy`` makes units of, children before parents.
+
+    Follows FSDP1's recursive wrapping: a module is looked into if the policy
+    says ``recurse``; after its children, it becomes a unit if the policy
+    accepts the parameters its children did not claim. The root is never in
+    the list (it is always a unit). A parameter shared by several modules is
+    counted once, where it is first reached.
+    """
+    units: List[str] = []
+    seen: set = set()
+
+    def visit(module: nn.Module, name: str, is_root: bool) -> int:
+        own = [p for p in module.parameters() if id(p) not in seen]
+        numel = sum(p.numel() for p in own)
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return 0
+        claimed = 0
+        for child_name, child in module.named_children():
+            claimed += visit(child, f'{name}.{child_name}' if name else child_name, False)
+        if not is_root and policy(module=module, recurse=False,
+                                  nonwrapped_numel=numel - claimed):
+            units.append(name)
+            seen.update(id(p) for p in own)
+            return numel
+        return claimed
+
+    visit(model, '', True)
+    return units

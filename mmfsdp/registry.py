@@ -1,0 +1,49 @@
+"""Registries of mmfsdp.
+
+Every registry here is a child of mmengine's registry of the same kind with the
+scope ``'mmfsdp'``, so a config names our classes as ``'mmfsdp.<Name>'`` and
+mmengine's stock code paths (``Runner.wrap_model``, ``RUNNERS.build``,
+``build_optim_wrapper`` ...) find them without ``custom_imports``: the scope
+prefix makes mmengine import this module, and ``locations`` make each registry
+import the modules that fill it.
+
+``FSDP_WRAP_POLICIES`` has no mmengine parent: it holds the auto-wrap policies
+that the FSDP wrappers resolve ``auto_wrap_policy=dict(type=...)`` against.
+"""
+from mmengine.registry import DATASETS as MMENGINE_DATASETS
+from mmengine.registry import HOOKS as MMENGINE_HOOKS
+from mmengine.registry import METRICS as MMENGINE_METRICS
+from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
+from mmengine.registry import MODELS as MMENGINE_MODELS
+from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine.registry import Registry
+
+__all__ = [
+    'DATASETS', 'FSDP_WRAP_POLICIES', 'HOOKS', 'METRICS', 'MODELS',
+    'MODEL_WRAPPERS', 'RUNNERS'
+]
+
+SCOPE = 'mmfsdp'
+
+MODEL_WRAPPERS = Registry(
+    'model_wrapper',
+    parent=MMENGINE_MODEL_WRAPPERS,
+    scope=SCOPE,
+    locations=['mmfsdp'])
+RUNNERS = Registry(
+    'runner', parent=MMENGINE_RUNNERS, scope=SCOPE,
+    locations=['mmfsdp'])
+HOOKS = Registry(
+    'hook', parent=MMENGINE_HOOKS, scope=SCOPE, locations=['mmfsdp'])
+MODELS = Registry(
+    'model', parent=MMENGINE_MODELS, scope=SCOPE,
+    locations=['mmfsdp'])
+DATASETS = Registry(
+    'dataset', parent=MMENGINE_DATASETS, scope=SCOPE,
+    locations=['mmfsdp'])
+METRICS = Registry(
+    'metric', parent=MMENGINE_METRICS, scope=SCOPE,
+    locations=['mmfsdp'])
+
+FSDP_WRAP_POLICIES = Registry(
+    'fsdp wrap policy', scope=SCOPE, locations=['mmfsdp'])

@@ -1,0 +1,79 @@
+"""``MMDistributedDataParallel``: torch's DDP for mmengine models, on any device."""
+import contextlib
+from typing import Any, Iterator, List, Optional
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..registry import MODEL_WRAPPERS
+from .steps import DataParallelSteps
+
+__all__ = ['MMDistributedDataParallel']
+
+
+@MODEL_WRAPPERS.register_module()
+class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
+    """Distributed data parallel with mmengine's step interface, CPU included.
+
+    Works under :class:`mmfsdp.FSDPRunner` and under mmengine's stock Runner,
+    which passes ``device_ids=[LOCAL_RANK]``: the device is taken from the
+    module instead (``None`` for a CPU module, which DDP requires).
+
+    Config::
+
+        model_wrapper_cfg = dict(
+            type='mmfsdp.MMDistributedDataParallel',
+            find_unused_parameters=False, static_graph=False,
+            gradient_as_bucket_view=True, broadcast_buffers=False)
+
+    Args:
+        module: The model, already on its device.
+        device_ids: Accepted for the stock Runner's sake; derived from the module.
+        find_unused_parameters: Tolerate parameters without gradient.
+        static_graph: Promise the same graph every iteration (enables
+            optimisations). Gradient accumulation then synchronises the first
+            micro-step, which DDP's static graph requires.
+        gradient_as_bucket_view: Let gradients alias the reduction buckets.
+        broadcast_buffers: Broadcast rank 0's buffers before each forward.
+        bucket_cap_mb: Size of the gradient buckets.
+
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 device_ids: Optional[List[int]] = None,
+                 find_unused_parameters: bool = False,
+                 static_graph: bool = False,
+                 gradient_as_bucket_view: bool = True,
+                 broadcast_buffers: bool = False,
+                 bucket_cap_mb: Optional[float] = None) -> None:
+        del device_ids
+        device = next(module.parameters()).device
+        super().__init__(
+            module,
+            device_ids=None if device.type == 'cpu' else [device.index],
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb)
+        self._has_synced = False
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict:
+        """One step of :class:`DataParallelSteps`, noting whether it synchronised."""
+        log_vars = super().train_step(data, optim_wrapper)
+        self._has_synced = self._has_synced or self.require_backward_grad_sync
+        return log_vars
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction, except before the first synchronised backward.
+
+        DDP's static graph must record one synchronised backward first; skipping
+        the reduction before that trips an assert in its reducer.
+        """
+        if self.static_graph and not self._has_synced:
+            yield
+            return
+        with super().no_sync():
+            yield

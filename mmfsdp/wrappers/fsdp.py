@@ -1,0 +1,146 @@
+"""``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+
+from torch import nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
+
+from ..activation_checkpointing import (
+    apply_activation_checkpointing_to,
+    resolve_activation_checkpointing,
+)
+from ..dist import current_device
+from ..options import (
+    check_keys,
+    resolve_backward_prefetch,
+    resolve_cpu_offload,
+    resolve_flag,
+    resolve_mixed_precision,
+    resolve_sharding_strategy,
+)
+from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy
+from ..registry import MODEL_WRAPPERS
+from .guard import reject_stock_runner
+from .steps import DataParallelSteps
+
+__all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The configuration of :class:`MMFullyShardedDataParallel`, resolved.
+
+    :meth:`from_dict` turns the user's strings into these typed values; the
+    two model-dependent options stay as written until :meth:`for_model`
+    checks them against the model.
+    """
+
+    #: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD, HYBRID_SHARD, ...
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    #: Which submodules become their own unit (see :mod:`mmfsdp.policies`).
+    auto_wrap_policy: PolicyConfig = None
+    #: When to fetch the next unit's parameters in backward.
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    #: Compute / reduce / buffer dtypes; ``None`` trains in the parameters' dtype.
+    mixed_precision: Optional[MixedPrecision] = None
+    #: Keep sharded parameters and gradients on the CPU.
+    cpu_offload: CPUOffload = field(default_factory=CPUOffload)
+    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
+    activation_checkpointing: Optional[Mapping[str, Any]] = None
+    #: Fetch the next unit's parameters during forward, ahead of its use.
+    forward_prefetch: bool = False
+    #: Bound the number of all-gathers in flight (caps memory on accelerators).
+    limit_all_gathers: bool = True
+    #: Broadcast rank 0's weights at construction; FSDPRunner already broadcasts
+    #: the full weights before sharding, so this is for use outside it.
+    sync_module_states: bool = False
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> 'FSDPConfig':
+        """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
+        check_keys(cfg, [f.name for f in fields(cls)], 'model_wrapper_cfg')
+        return cls(**{name: _RESOLVERS.get(name, _as_is)(value)
+                      for name, value in cfg.items()})
+
+    def for_model(self, module: nn.Module) -> Tuple[Optional[WrapPolicy], Tuple[Type[nn.Module],
+                                                                                ...]]:
+        """The wrap policy and the checkpointed layer classes, checked against ``module``."""
+        return (build_wrap_policy(self.auto_wrap_policy, module),
+                resolve_activation_checkpointing(self.activation_checkpointing, module))
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+_RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
+    sharding_strategy=resolve_sharding_strategy,
+    backward_prefetch=resolve_backward_prefetch,
+    mixed_precision=resolve_mixed_precision,
+    cpu_offload=resolve_cpu_offload,
+    forward_prefetch=functools.partial(resolve_flag, key='forward_prefetch'),
+    limit_all_gathers=functools.partial(resolve_flag, key='limit_all_gathers'),
+    sync_module_states=functools.partial(resolve_flag, key='sync_module_states'),
+)
+
+
+@MODEL_WRAPPERS.register_module()
+class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
+    """Fully sharded data parallel (FSDP1) with mmengine's step interface.
+
+    The keyword arguments are the fields of :class:`FSDPConfig`. The device is
+    this process's accelerator or the CPU (chosen here, not configured).
+    Parameters keep their names and objects (``use_orig_params=True``), which
+    per-parameter optimizer settings (``paramwise_cfg``) rely on.
+
+    Build it through :class:`mmfsdp.FSDPRunner`, which initialises weights on
+    the full model before sharding, groups parameters by their unsharded
+    shapes and clips by the global norm; mmengine's stock Runner is refused.
+
+    Config::
+
+        runner_type = 'mmfsdp.FSDPRunner'
+        model_wrapper_cfg = dict(
+            type='mmfsdp.MMFullyShardedDataParallel',
+            sharding_strategy='FULL_SHARD',        # any ShardingStrategy name
+            auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
+            backward_prefetch='pre',               # 'pre' | 'post' | None
+            mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
+            cpu_offload=False,
+            activation_checkpointing=dict(layer_cls=['TransformerBlock']))
+    """
+
+    def __init__(self, module: nn.Module, **config: Any) -> None:
+        reject_stock_runner(type(self).__name__)
+        cfg = FSDPConfig.from_dict(config)
+        policy, checkpoint_layers = cfg.for_model(module)
+        super().__init__(
+            module,
+            sharding_strategy=cfg.sharding_strategy,
+            auto_wrap_policy=policy,
+            backward_prefetch=cfg.backward_prefetch,
+            mixed_precision=cfg.mixed_precision,
+            cpu_offload=cfg.cpu_offload,
+            device_id=current_device(),
+            forward_prefetch=cfg.forward_prefetch,
+            limit_all_gathers=cfg.limit_all_gathers,
+            sync_module_states=cfg.sync_module_states,
+            use_orig_params=True)
+        apply_activation_checkpointing_to(self, checkpoint_layers)
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
+        """Raise on a bad config; with ``module``, check the model-dependent options too.
+
+        Lets a runner reject a config on every rank before any collective.
+        """
+        cfg = FSDPConfig.from_dict(config)
+        if module is not None:
+            cfg.for_model(module)

@@ -1,0 +1,128 @@
+"""A tiny workload for the tests: a classifier made of ``ToyBlock`` layers.
+
+``init_weights`` depends on parameter shapes, so it is observable whether it
+ran on full tensors or on shards. The dataset draws from its own generator,
+never from torch's global RNG. :func:`runner_config` builds the mmengine config
+that every equivalence test varies.
+"""
+import copy
+import math
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from mmengine.evaluator import BaseMetric
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, METRICS, MODELS
+from torch import nn
+from torch.utils.data import Dataset
+
+from harness import DIST_CFG
+
+IN_DIM, NUM_CLASSES = 6, 3
+
+
+class ToyBlock(nn.Module):
+    """Pre-norm residual MLP block: the unit of the ``transformer`` policy."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+@MODELS.register_module()
+class ToyClassifier(BaseModel):
+
+    def __init__(self, dim: int = 16, depth: int = 3, data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.embed = nn.Linear(IN_DIM, dim)
+        self.blocks = nn.ModuleList(ToyBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, NUM_CLASSES)
+
+    def init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                fan_out, fan_in = module.weight.shape
+                nn.init.normal_(module.weight, std=1 / math.sqrt(fan_in))
+                nn.init.constant_(module.bias, 0.01 * fan_out)
+
+    def forward(self, inputs: torch.Tensor, data_samples: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, data_samples))
+        if mode == 'predict':
+            nll = F.cross_entropy(logits, data_samples, reduction='none')
+            return [dict(nll=n, correct=c) for n, c in
+                    zip(nll.cpu(), (logits.argmax(-1) == data_samples).cpu())]
+        return logits
+
+
+@DATASETS.register_module()
+class ToyDataset(Dataset):
+    """Inputs from a seeded generator; labels from a fixed random projection."""
+
+    def __init__(self, length: int = 64, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(length, IN_DIM, generator=gen)
+        self.labels = (self.inputs @ torch.randn(IN_DIM, NUM_CLASSES, generator=gen)).argmax(-1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return dict(inputs=self.inputs[i], data_samples=self.labels[i])
+
+
+@METRICS.register_module()
+class ToyMetric(BaseMetric):
+    """Accuracy and mean negative log-likelihood over the whole split."""
+
+    def process(self, data_batch: Any, data_samples: list) -> None:
+        self.results.extend((float(s['nll']), float(s['correct'])) for s in data_samples)
+
+    def compute_metrics(self, results: list) -> Dict[str, float]:
+        return dict(nll=sum(r[0] for r in results) / len(results),
+                    accuracy=sum(r[1] for r in results) / len(results))
+
+
+def runner_config(name: str, work_dir: str, *, batch_size: int, max_iters: int = 6,
+                  launcher: str = 'pytorch', wrapper: Optional[dict] = None,
+                  optim_wrapper: Optional[dict] = None, val: bool = False,
+                  dataset_length: int = 48) -> dict:
+    """The mmengine config of one tiny training run (a new dict on every call)."""
+    loader = dict(dataset=dict(type='ToyDataset', length=dataset_length),
+                  sampler=dict(type='DefaultSampler', shuffle=True, seed=0),
+                  collate_fn=dict(type='default_collate'), batch_size=batch_size, num_workers=0)
+    cfg = dict(
+        model=dict(type='ToyClassifier'),
+        work_dir=work_dir,
+        experiment_name=name,
+        launcher=launcher,
+        env_cfg=dict(dist_cfg=DIST_CFG),
+        randomness=dict(seed=1),
+        train_dataloader=loader,
+        train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=max_iters + 1),
+        optim_wrapper=optim_wrapper or dict(optimizer=dict(type='AdamW', lr=1e-2)),
+        default_hooks=dict(checkpoint=None, logger=dict(type='LoggerHook', interval=1)),
+        log_level='WARNING',
+    )
+    if val:
+        val_loader = copy.deepcopy(loader)
+        val_loader['dataset']['seed'] = 1
+        val_loader['sampler'] = dict(type='DefaultSampler', shuffle=False)
+        cfg.update(val_dataloader=val_loader, val_cfg=dict(), val_evaluator=dict(type='ToyMetric'),
+                   test_dataloader=copy.deepcopy(val_loader), test_cfg=dict(),
+                   test_evaluator=dict(type='ToyMetric'))
+    if wrapper is not None:
+        cfg.update(runner_type='mmfsdp.FSDPRunner', model_wrapper_cfg=wrapper)
+    return copy.deepcopy(cfg)
