@@ -118,7 +118,7 @@ def runner_config(name: str, work_dir: str, *, batch_size: int, max_iters: int =
     )
     if val:
         val_loader = copy.deepcopy(loader)
-        val_loader['dataset']['seed'] = 1
+        val_loader['dataset'].update(seed=1, length=22)  # 22: padded to 24 on 2 ranks
         val_loader['sampler'] = dict(type='DefaultSampler', shuffle=False)
         cfg.update(val_dataloader=val_loader, val_cfg=dict(), val_evaluator=dict(type='ToyMetric'),
                    test_dataloader=copy.deepcopy(val_loader), test_cfg=dict(),
