@@ -11,9 +11,9 @@ import pytest
 import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
-from toy import runner_config
 
 from harness import run_distributed
+from toy import runner_config
 
 TOL = 2e-5
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
@@ -90,9 +90,8 @@ def _full_state(model) -> dict:
 
 def _saved_activation_bytes(checkpoint: bool) -> int:
     """Bytes autograd keeps for backward in one forward of a wrapped toy model."""
-    from toy import ToyClassifier
-
     from mmfsdp import MMFullyShardedDataParallel
+    from toy import ToyClassifier
     torch.manual_seed(0)
     cfg = dict(auto_wrap_policy=BLOCKS)
     if checkpoint:
