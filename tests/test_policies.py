@@ -1,0 +1,125 @@
+"""Wrap policies: registry names, options, checks against the model, and the unit plan."""
+import copy
+
+import pytest
+from torch import nn
+
+from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp.registry import FSDP_WRAP_POLICIES
+from toy import ToyBlock, ToyClassifier
+
+
+@pytest.fixture
+def model():
+    return ToyClassifier(dim=16, depth=3)
+
+
+BLOCK_UNITS = ['blocks.0', 'blocks.1', 'blocks.2']
+
+
+def _units(cfg, model):
+    return plan_units(model, build_wrap_policy(cfg, model))
+
+
+def test_transformer_policy_by_class_name(model):
+    assert _units(dict(type='transformer', layer_cls=['ToyBlock']), model) == BLOCK_UNITS
+
+
+def test_transformer_policy_by_class(model):
+    assert _units(dict(type='transformer', layer_cls=[ToyBlock]), model) == BLOCK_UNITS
+
+
+def test_a_name_alone_is_a_policy_without_options(model):
+    with pytest.raises(TypeError, match="missing a required argument: 'layer_cls'"):
+        build_wrap_policy('transformer', model)
+
+
+def test_module_types_policy(model):
+    units = _units(dict(type='module_types', module_cls=['LayerNorm']), model)
+    assert units == ['blocks.0.norm', 'blocks.1.norm', 'blocks.2.norm', 'norm']
+
+
+def test_size_based_policy_counts_parameters_not_yet_wrapped(model):
+    # a block holds 1072 parameters; the root's remainder is not a unit
+    assert _units(dict(type='size_based', min_num_params=1000), model) == BLOCK_UNITS
+    assert _units(dict(type='size_based', min_num_params=100), model) == [
+        'embed', 'blocks.0.fc1', 'blocks.0.fc2', 'blocks.1.fc1', 'blocks.1.fc2', 'blocks.2.fc1',
+        'blocks.2.fc2']
+
+
+def test_size_based_never_wraps_a_module_list_itself():
+    model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), nn.Linear(4, 2))
+    units = _units(dict(type='size_based', min_num_params=10), model)
+    assert units == ['0.0', '0.1', '0.2', '1']
+
+
+def test_list_of_policies_wraps_if_any_says_so(model):
+    cfg = [dict(type='transformer', layer_cls=['ToyBlock']),
+           dict(type='module_types', module_cls=['Linear'])]
+    assert 'embed' in _units(cfg, model) and 'blocks.0' in _units(cfg, model)
+
+
+def test_plain_callable_is_a_policy(model):
+
+    def head_only(module, recurse, nonwrapped_numel):
+        return recurse or module is model.head
+
+    assert _units(head_only, model) == ['head']
+
+
+def test_user_registered_policy_takes_options_from_the_config(model):
+
+    @FSDP_WRAP_POLICIES.register_module(force=True)
+    def big_linears(module, recurse, nonwrapped_numel, min_params=1000):
+        return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
+
+    assert _units(dict(type='big_linears', min_params=500), model) == [
+        'blocks.0.fc1', 'blocks.0.fc2', 'blocks.1.fc1', 'blocks.1.fc2', 'blocks.2.fc1',
+        'blocks.2.fc2']
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'min_param'.*min_params"):
+        build_wrap_policy(dict(type='big_linears', min_param=5), model)
+
+
+def test_unknown_policy_name_lists_registered_names(model):
+    with pytest.raises(KeyError) as e:
+        build_wrap_policy(dict(type='transfomer', layer_cls=['ToyBlock']), model)
+    msg = str(e.value)
+    assert 'auto_wrap_policy.type' in msg and "'transfomer'" in msg
+    assert "did you mean 'transformer'" in msg and 'size_based' in msg
+
+
+def test_class_name_absent_from_model_lists_close_matches(model):
+    with pytest.raises(ValueError) as e:
+        build_wrap_policy(dict(type='transformer', layer_cls=['ToyBlok']), model)
+    msg = str(e.value)
+    assert 'auto_wrap_policy.layer_cls' in msg and "'ToyBlok'" in msg and 'ToyBlock' in msg
+
+
+@pytest.mark.parametrize('value', [0, -5, 1.5, True])
+def test_size_based_needs_a_positive_parameter_count(model, value):
+    with pytest.raises(ValueError, match='min_num_params'):
+        build_wrap_policy(dict(type='size_based', min_num_params=value), model)
+
+
+def test_a_policy_that_wraps_nothing_is_an_error(model):
+    with pytest.raises(ValueError, match='makes no unit of any submodule'):
+        build_wrap_policy(dict(type='size_based', min_num_params=10**9), model)
+    with pytest.raises(ValueError, match='makes no unit of any submodule'):
+        build_wrap_policy(dict(type='module_types', module_cls=[nn.Conv2d]), model)
+
+
+def test_none_means_one_unit_for_the_whole_model(model):
+    assert build_wrap_policy(None, model) is None
+
+
+def test_building_a_policy_leaves_the_config_unchanged(model):
+    cfg = [dict(type='transformer', layer_cls=['ToyBlock']),
+           dict(type='size_based', min_num_params=100)]
+    before = copy.deepcopy(cfg)
+    build_wrap_policy(cfg, model)
+    build_wrap_policy(cfg, model)
+    assert cfg == before
+
+
+def test_builtin_policies_are_registered():
+    assert {'size_based', 'transformer', 'module_types'} <= set(FSDP_WRAP_POLICIES.module_dict)
