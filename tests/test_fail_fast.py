@@ -71,9 +71,10 @@ def _checks(work_root: str) -> dict:
         return runner_cls.from_cfg(Config(cfg))
 
     for name, (wrapper, _, _) in CONFIG_ERRORS.items():
-        out[name] = _error(lambda: build(name, wrapper)) + (torch.distributed.is_initialized(),)
+        out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (
+            torch.distributed.is_initialized(), )
     for name, (wrapper, _, _) in MODEL_ERRORS.items():
-        out[name] = _error(lambda: build(name, wrapper)) + (None,)
+        out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (None, )
 
     # mmengine's stock Runner: start the group first (its init_dist needs CUDA)
     if not torch.distributed.is_initialized():
