@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Usage: bash tools/dist_train.sh CONFIG NPROC [train.py args...]
+# Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
+# PYTHON selects the interpreter (default: python on PATH).
+set -euo pipefail
+
+CONFIG=$1
+NPROC=$2
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+
+PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
+"${PYTHON:-python}" -m torch.distributed.run \
+    --nnodes="$NNODES" \
+    --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" \
+    --nproc_per_node="$NPROC" \
+    --master_port="$PORT" \
+    "$(dirname "$0")/train.py" \
+    "$CONFIG" \
+    --launcher pytorch "${@:3}"
