@@ -7,6 +7,7 @@ HERE = Path(__file__).parent
 
 
 def requirements() -> list:
+    """The non-comment lines of requirements.txt."""
     lines = (HERE / 'requirements.txt').read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith('#')]
 

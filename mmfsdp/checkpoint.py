@@ -24,8 +24,11 @@ import torch
 from mmengine.logging import HistoryBuffer, MessageHub
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 __all__ = ['encode_message_hub', 'full_model_state', 'full_optimizer_state', 'save_atomically']
 

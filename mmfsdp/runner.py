@@ -4,7 +4,6 @@ import time
 from typing import Any, Dict, Optional
 
 import mmengine
-
 from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
@@ -13,8 +12,7 @@ from mmengine.runner import Runner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import (encode_message_hub, full_model_state, full_optimizer_state,
-                         save_atomically)
+from .checkpoint import encode_message_hub, full_model_state, full_optimizer_state, save_atomically
 from .dist import current_device, init_distributed
 from .optim import clip_by_global_norm, retarget_parameters
 from .registry import RUNNERS
