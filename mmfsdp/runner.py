@@ -1,10 +1,7 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
-import os.path as osp
-import time
 from typing import Any, Dict, Optional
 
-import mmengine
-from mmengine.dist import barrier, is_distributed, is_main_process
+from mmengine.dist import is_distributed
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
@@ -12,7 +9,7 @@ from mmengine.runner import Runner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import encode_message_hub, full_model_state, full_optimizer_state, save_atomically
+from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
 from .optim import clip_by_global_norm, retarget_parameters
 from .registry import RUNNERS
@@ -26,7 +23,7 @@ DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
 
 
 @RUNNERS.register_module()
-class FSDPRunner(Runner):
+class FSDPRunner(CheckpointMixin, Runner):
     """A drop-in mmengine ``Runner`` that trains sharded models correctly.
 
     Same constructor, config keys and loops as ``Runner``. It changes only what
@@ -49,10 +46,9 @@ class FSDPRunner(Runner):
       (:mod:`mmfsdp.optim`). ``val()`` and ``test()`` wrap at the same point.
     - **Clipping**: norm clipping uses the global gradient norm over all
       shards, logged as ``grad_norm``.
-    - **Checkpoints**: every rank takes part in gathering the full state;
-      rank 0 writes one mmengine checkpoint with unwrapped parameter names and
-      a name-keyed optimizer state, loadable under ``weights_only=True``
-      (:mod:`mmfsdp.checkpoint`).
+    - **Checkpoints**: every rank takes part in saving and loading; full
+      files or sharded directories, safe to load, resumable at any world size
+      (:class:`mmfsdp.checkpoint.CheckpointMixin`).
 
     Without ``model_wrapper_cfg`` a distributed run uses
     ``mmfsdp.MMDistributedDataParallel``, which runs on CPU too.
@@ -115,53 +111,3 @@ class FSDPRunner(Runner):
             retarget_parameters(self.optim_wrapper, names, self.model)
             if callable(getattr(self.model, 'clip_grad_norm_', None)):
                 clip_by_global_norm(self.optim_wrapper, self.model)
-
-    def save_checkpoint(self,
-                        out_dir: str,
-                        filename: str,
-                        file_client_args: Optional[Dict] = None,
-                        save_optimizer: bool = True,
-                        save_param_scheduler: bool = True,
-                        meta: Optional[Dict] = None,
-                        by_epoch: bool = True,
-                        backend_args: Optional[Dict] = None) -> None:
-        """Save a full checkpoint; called on every rank, as ``CheckpointHook`` does.
-
-        Same arguments as ``Runner.save_checkpoint``; only local paths are
-        supported (``file_client_args`` / ``backend_args`` must be ``None``).
-        """
-        if file_client_args is not None or backend_args is not None:
-            raise ValueError('FSDPRunner.save_checkpoint writes local files only; '
-                             'remove file_client_args / backend_args from the CheckpointHook')
-        checkpoint: Dict[str, Any] = dict(
-            meta=self._checkpoint_meta(meta, by_epoch),
-            state_dict=full_model_state(self.model),
-            message_hub=encode_message_hub(self.message_hub))
-        if save_optimizer:
-            checkpoint['optimizer'] = full_optimizer_state(self.model, self.optim_wrapper)
-        if save_param_scheduler and self.param_schedulers is not None:
-            checkpoint['param_schedulers'] = self._scheduler_states()
-        if is_main_process():
-            self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-            save_atomically(checkpoint, osp.join(out_dir, filename))
-        barrier()
-
-    def _checkpoint_meta(self, meta: Optional[Dict], by_epoch: bool) -> Dict[str, Any]:
-        """The ``meta`` entry of the stock Runner's checkpoints."""
-        meta = dict(meta or {})
-        meta.setdefault('epoch', self.epoch + 1 if by_epoch else self.epoch)
-        meta.setdefault('iter', self.iter if by_epoch else self.iter + 1)
-        meta.update(cfg=self.cfg.pretty_text, seed=self.seed,
-                    experiment_name=self.experiment_name,
-                    time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
-                    mmengine_version=mmengine.__version__)
-        dataset = getattr(self.train_dataloader, 'dataset', None)
-        if hasattr(dataset, 'metainfo'):
-            meta['dataset_meta'] = dataset.metainfo
-        return meta
-
-    def _scheduler_states(self) -> Any:
-        if isinstance(self.param_schedulers, dict):
-            return {name: [s.state_dict() for s in schedulers]
-                    for name, schedulers in self.param_schedulers.items()}
-        return [s.state_dict() for s in self.param_schedulers]

@@ -1,0 +1,158 @@
+"""``save_checkpoint`` / ``load_checkpoint`` / ``resume`` for :class:`mmfsdp.FSDPRunner`.
+
+The stock versions save on rank 0 alone and load rank 0's view everywhere.
+These take every rank through the gather or the scatter, read and write the
+formats of :mod:`mmfsdp.checkpoint`, and keep everything else of mmengine's
+behaviour (meta, message hub, schedulers, hooks, ``CheckpointHook`` options).
+"""
+import os.path as osp
+import re
+import time
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import mmengine
+from mmengine.dist import barrier, is_main_process
+
+from .safe_io import (
+    UNSAFE_SWITCH,
+    decode_message_hub,
+    encode_message_hub,
+    load_file,
+    save_atomically,
+)
+from .sharded import is_sharded_checkpoint, load_sharded, read_sharded_meta, save_sharded
+from .state import (
+    StateDictType,
+    gather_full_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    optimizer_extras,
+    resolve_state_dict_type,
+)
+
+__all__ = ['CheckpointMixin']
+
+
+class CheckpointMixin:
+    """Checkpointing for a Runner whose model may be sharded.
+
+    Save either type from the stock hook::
+
+        default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1000,
+                                             state_dict_type='sharded'))  # or 'full'
+
+    ``load_from`` and ``resume`` accept a full file, a sharded directory, or an
+    ordinary mmengine checkpoint (the latter needs ``allow_unsafe_checkpoints = True``
+    in the config when it pickles mmengine or numpy classes).
+    """
+
+    def save_checkpoint(self,
+                        out_dir: str,
+                        filename: str,
+                        file_client_args: Optional[Dict] = None,
+                        save_optimizer: bool = True,
+                        save_param_scheduler: bool = True,
+                        meta: Optional[Dict] = None,
+                        by_epoch: bool = True,
+                        backend_args: Optional[Dict] = None,
+                        state_dict_type: str = 'full') -> None:
+        """Save a checkpoint; every rank calls it (as ``CheckpointHook`` does).
+
+        Args mirror ``Runner.save_checkpoint``, plus ``state_dict_type``:
+        ``'full'`` (one file written by rank 0) or ``'sharded'`` (a directory
+        with every rank's shards). Only local paths are supported.
+        """
+        kind = resolve_state_dict_type(state_dict_type)
+        if file_client_args is not None or backend_args is not None:
+            raise ValueError('FSDPRunner writes checkpoints to local paths only; remove '
+                             'file_client_args / backend_args from the CheckpointHook config')
+        path = osp.join(out_dir, filename)
+        optim_wrapper = self.optim_wrapper if save_optimizer else None
+        checkpoint: Dict[str, Any] = dict(meta=self._checkpoint_meta(meta, by_epoch),
+                                          message_hub=encode_message_hub(self.message_hub))
+        if save_param_scheduler and self.param_schedulers is not None:
+            checkpoint['param_schedulers'] = self._scheduler_states()
+        if kind is StateDictType.FULL:
+            checkpoint['state_dict'], optimizer = gather_full_state(self.model, optim_wrapper)
+            if optimizer is not None:
+                checkpoint['optimizer'] = optimizer
+            if is_main_process():
+                self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+                save_atomically(checkpoint, path)
+        else:
+            if optim_wrapper is not None:
+                checkpoint['optimizer_extras'] = optimizer_extras(optim_wrapper)
+            if is_main_process():
+                self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+            save_sharded(path, self.model, optim_wrapper, checkpoint)
+        barrier()
+
+    def load_checkpoint(self,
+                        filename: str,
+                        map_location: Any = 'cpu',
+                        strict: bool = False,
+                        revise_keys: Sequence[Tuple[str, str]] = ((r'^module.', ''), )
+                        ) -> Dict:
+        """Load model weights from a full file, a sharded directory or an mmengine file.
+
+        Weights go straight into the (possibly sharded) model; each rank keeps
+        only its shard. ``map_location`` is accepted for compatibility: files
+        are read to the CPU and copied to the parameters' devices.
+        """
+        allow_unsafe = bool(self.cfg.get(UNSAFE_SWITCH, False))
+        if is_sharded_checkpoint(filename):
+            checkpoint = read_sharded_meta(filename, allow_unsafe)
+            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+            load_sharded(filename, self.model, strict=strict)
+        else:
+            checkpoint = load_file(filename, allow_unsafe)
+            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+            state = checkpoint.get('state_dict', checkpoint)
+            for pattern, replacement in revise_keys:
+                state = {re.sub(pattern, replacement, k): v for k, v in state.items()}
+            missing, unexpected = load_full_model_state(self.model, state, strict)
+            if missing or unexpected:
+                self.logger.warning(f'Loaded {filename} with missing keys {missing} and '
+                                    f'unexpected keys {unexpected}')
+        if 'message_hub' in checkpoint:
+            checkpoint['message_hub'] = decode_message_hub(checkpoint['message_hub'])
+        self._loaded_checkpoint = (filename, checkpoint)
+        self._has_loaded = True
+        self.logger.info(f'Load checkpoint from {filename}')
+        return checkpoint
+
+    def resume(self,
+               filename: str,
+               resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True,
+               map_location: Any = 'default') -> None:
+        """Mmengine's ``resume``, with the optimizer state loaded at any world size."""
+        super().resume(filename, resume_optimizer=False,
+                       resume_param_scheduler=resume_param_scheduler, map_location='cpu')
+        if not resume_optimizer or isinstance(self.optim_wrapper, dict):
+            return
+        path, checkpoint = self._loaded_checkpoint
+        if is_sharded_checkpoint(path) and 'optimizer_param_groups' in checkpoint:
+            load_sharded(path, self.model, self.optim_wrapper, meta=checkpoint)
+        elif 'optimizer' in checkpoint:
+            load_full_optimizer_state(self.model, self.optim_wrapper, checkpoint['optimizer'])
+
+    def _checkpoint_meta(self, meta: Optional[Dict], by_epoch: bool) -> Dict[str, Any]:
+        """The ``meta`` entry of the stock Runner's checkpoints."""
+        meta = dict(meta or {})
+        meta.setdefault('epoch', self.epoch + 1 if by_epoch else self.epoch)
+        meta.setdefault('iter', self.iter if by_epoch else self.iter + 1)
+        meta.update(cfg=self.cfg.pretty_text, seed=self.seed,
+                    experiment_name=self.experiment_name,
+                    time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
+                    mmengine_version=mmengine.__version__)
+        dataset = getattr(self.train_dataloader, 'dataset', None)
+        if hasattr(dataset, 'metainfo'):
+            meta['dataset_meta'] = dataset.metainfo
+        return meta
+
+    def _scheduler_states(self) -> Any:
+        if isinstance(self.param_schedulers, dict):
+            return {name: [s.state_dict() for s in schedulers]
+                    for name, schedulers in self.param_schedulers.items()}
+        return [s.state_dict() for s in self.param_schedulers]

@@ -1,0 +1,90 @@
+"""Sharded checkpoints: a directory that every rank writes its shards into.
+
+Layout of ``iter_N.pth/`` (the path a full checkpoint file would have)::
+
+    .metadata, __<rank>_0.distcp   torch.distributed.checkpoint: model + optimizer tensors
+    mmengine.pth                   meta, message hub, schedulers, optimizer param groups
+                                   and optim-wrapper extras (plain values, weights_only-safe)
+
+The directory is written as ``iter_N.pth.tmp/`` and renamed once every rank
+has finished, so a directory under the final name is always complete. It loads
+at any world size, and without a process group (see :mod:`mmfsdp.consolidate`).
+"""
+import os
+import shutil
+from typing import Any, Dict, Optional
+
+import torch.distributed.checkpoint as dcp
+from mmengine.dist import barrier, is_main_process
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .safe_io import load_file, replace_path, save_atomically
+from .state import AnyOptimWrapper, load_optimizer_extras, named_optim_wrappers, sharded_state
+
+__all__ = ['META_FILE', 'is_sharded_checkpoint', 'load_sharded', 'read_sharded_meta',
+           'save_sharded']
+
+#: The file of a sharded checkpoint that holds everything but the shards.
+META_FILE = 'mmengine.pth'
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory."""
+    return os.path.isfile(os.path.join(path, META_FILE))
+
+
+def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
+                 extra: Dict[str, Any]) -> None:
+    """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective)."""
+    tmp = f'{path}.tmp'
+    if is_main_process() and os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    barrier()
+    shards, param_groups = sharded_state(model, optim_wrapper)
+    dcp.save(shards, checkpoint_id=tmp)
+    if is_main_process():
+        if param_groups is not None:
+            extra = dict(extra, optimizer_param_groups=param_groups)
+        save_atomically(extra, os.path.join(tmp, META_FILE))
+        replace_path(tmp, path)
+    barrier()
+
+
+def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
+    """The non-shard part of a sharded checkpoint: meta, message hub, schedulers."""
+    return load_file(os.path.join(path, META_FILE), allow_unsafe)
+
+
+def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper] = None,
+                 strict: bool = True, meta: Optional[Dict[str, Any]] = None) -> None:
+    """Load the model (and the optimizer) from a sharded checkpoint, at any world size.
+
+    Each rank reads the pieces of the saved shards that overlap its own.
+    ``meta`` is the checkpoint's :data:`META_FILE` content, needed for the
+    optimizer (param groups, optim-wrapper extras).
+    """
+    shards, _ = sharded_state(model, optim_wrapper)
+    dcp.load(shards, checkpoint_id=path,
+             planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    options = StateDictOptions(full_state_dict=False, strict=strict)
+    set_model_state_dict(model, shards['model'], options=options)
+    if optim_wrapper is None:
+        return
+    meta = meta if meta is not None else read_sharded_meta(path)
+    groups, extras = meta['optimizer_param_groups'], meta.get('optimizer_extras') or {}
+    for name, wrapper in named_optim_wrappers(optim_wrapper):
+        state = dict(state=_select(shards['optimizer'], name)['state'],
+                     param_groups=_select(groups, name))
+        set_optimizer_state_dict(model, wrapper.optimizer, state, options=options)
+        load_optimizer_extras(wrapper, _select(extras, name) if extras else {})
+
+
+def _select(tree: Any, name: Optional[str]) -> Any:
+    """The part of a per-optim-wrapper tree that belongs to wrapper ``name``."""
+    return tree if name is None else tree[name]

@@ -1,0 +1,161 @@
+"""Model and optimizer state of a (possibly wrapped) model, full or sharded.
+
+All of it goes through ``torch.distributed.checkpoint.state_dict``
+(``get_*_state_dict`` / ``set_*_state_dict``), which serves FSDP1, FSDP2, DDP and
+plain modules alike and keys everything by the unwrapped model's parameter
+names. Gathering and scattering are collectives: every rank calls them.
+
+Optimizer state is keyed by parameter name, so it loads at any world size and
+into any wrapper. An optimizer state in torch's own format (integer keys, as
+mmengine's stock Runner saves it) is converted by matching the integer ids with
+this optimizer's parameters in order, which holds when the optimizer is built
+by the same config.
+"""
+import enum
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..optim import clean_param_name
+from ..options import resolve_enum
+
+__all__ = ['StateDictType', 'gather_full_state', 'named_optim_wrappers', 'load_full_model_state',
+           'load_full_optimizer_state', 'optimizer_extras', 'resolve_state_dict_type',
+           'sharded_state']
+
+AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
+
+#: Keys of an optimizer state that torch's optimizer owns; the rest (e.g. a
+#: loss scaler) belongs to mmengine's optim wrapper.
+_OPTIMIZER_KEYS = ('state', 'param_groups')
+
+
+class StateDictType(enum.Enum):
+    """What ``save_checkpoint(state_dict_type=...)`` writes."""
+
+    #: One file, gathered on rank 0: loads anywhere, into anything.
+    FULL = 'full'
+    #: A directory with every rank's shard (``torch.distributed.checkpoint``).
+    SHARDED = 'sharded'
+
+
+def resolve_state_dict_type(value: Union[str, StateDictType]) -> StateDictType:
+    """``state_dict_type``: ``'full'`` or ``'sharded'``."""
+    return resolve_enum(value, StateDictType, 'state_dict_type',
+                        {m.value: m for m in StateDictType})
+
+
+def _options(model: nn.Module, full: bool, strict: bool = True) -> StateDictOptions:
+    # Offloading keeps one full copy, on rank 0's CPU, when gathering from an
+    # accelerator; FSDP1's offload path crashes on CPU tensors (torch 2.13).
+    params = list(model.parameters())
+    on_cpu = not params or params[0].device.type == 'cpu'
+    return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu,
+                            strict=strict)
+
+
+def named_optim_wrappers(
+        optim_wrapper: AnyOptimWrapper) -> Iterator[Tuple[Optional[str], OptimWrapper]]:
+    """``(None, wrapper)`` for one optim wrapper, ``(name, wrapper)`` for each of a dict."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        yield from optim_wrapper.optim_wrappers.items()
+    else:
+        yield None, optim_wrapper
+
+
+def _per_wrapper(optim_wrapper: AnyOptimWrapper, fn) -> Any:
+    """``fn(wrapper)`` for a single wrapper, ``{name: fn(wrapper)}`` for a dict of them."""
+    results = {name: fn(wrapper) for name, wrapper in named_optim_wrappers(optim_wrapper)}
+    return results[None] if None in results else results
+
+
+def optimizer_extras(optim_wrapper: AnyOptimWrapper) -> Any:
+    """The optim wrapper's own state besides the optimizer's (e.g. ``loss_scaler``)."""
+    return _per_wrapper(optim_wrapper, lambda w: {
+        k: v for k, v in w.state_dict().items() if k not in _OPTIMIZER_KEYS})
+
+
+def gather_full_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
+                      ) -> Tuple[Dict[str, torch.Tensor], Optional[Any]]:
+    """The unsharded model state and name-keyed optimizer state (collective)."""
+    options = _options(model, full=True)
+    model_state = get_model_state_dict(model, options=options)
+    if optim_wrapper is None:
+        return model_state, None
+
+    def optimizer_state(wrapper: OptimWrapper) -> Dict[str, Any]:
+        state = {k: v for k, v in wrapper.state_dict().items() if k not in _OPTIMIZER_KEYS}
+        state.update(get_optimizer_state_dict(model, wrapper.optimizer, options=options))
+        return state
+
+    return model_state, _per_wrapper(optim_wrapper, optimizer_state)
+
+
+def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
+                  ) -> Tuple[Dict[str, Any], Optional[Any]]:
+    """The model and optimizer shards of this rank, and the optimizer's param groups.
+
+    The shards (a dict of tensors) are what ``torch.distributed.checkpoint``
+    saves, and the template a sharded checkpoint is loaded into; the param
+    groups (hyperparameters and parameter names, the same on every rank) are
+    kept apart, as plain values, so that no pickled object enters the shards.
+    """
+    options = _options(model, full=False)
+    shards: Dict[str, Any] = dict(model=get_model_state_dict(model, options=options))
+    if optim_wrapper is None:
+        return shards, None
+    states = _per_wrapper(optim_wrapper, lambda w: get_optimizer_state_dict(
+        model, w.optimizer, options=options))
+    if 'state' in states:
+        shards['optimizer'] = dict(state=states['state'])
+        return shards, states['param_groups']
+    shards['optimizer'] = {name: dict(state=s['state']) for name, s in states.items()}
+    return shards, {name: s['param_groups'] for name, s in states.items()}
+
+
+def load_full_model_state(model: nn.Module, state: Dict[str, torch.Tensor],
+                          strict: bool) -> Tuple[List[str], List[str]]:
+    """Load an unsharded state dict; returns the missing and unexpected keys."""
+    result = set_model_state_dict(model, state, options=_options(model, full=True, strict=strict))
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
+                           model: nn.Module) -> Dict[str, Any]:
+    """Convert torch's integer-keyed optimizer state to parameter names."""
+    groups = state['param_groups']
+    if not groups or not groups[0]['params'] or isinstance(groups[0]['params'][0], str):
+        return state
+    names = {id(p): clean_param_name(n) for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for g in optimizer.param_groups for p in g['params']]
+    by_id = dict(zip((i for g in groups for i in g['params']), ordered))
+    return dict(state={by_id[i]: s for i, s in state['state'].items()},
+                param_groups=[dict(g, params=[by_id[i] for i in g['params']]) for g in groups])
+
+
+def load_full_optimizer_state(model: nn.Module, optim_wrapper: AnyOptimWrapper,
+                              state: Any) -> None:
+    """Load a full optimizer state (name-keyed, or torch's integer-keyed format)."""
+    for name, wrapper in named_optim_wrappers(optim_wrapper):
+        own = state if name is None else state[name]
+        optimizer_state = _named_optimizer_state(
+            {k: own[k] for k in _OPTIMIZER_KEYS}, wrapper.optimizer, model)
+        set_optimizer_state_dict(model, wrapper.optimizer, optimizer_state,
+                                 options=_options(model, full=True))
+        load_optimizer_extras(wrapper, {k: v for k, v in own.items()
+                                        if k not in _OPTIMIZER_KEYS})
+
+
+def load_optimizer_extras(wrapper: OptimWrapper, extras: Dict[str, Any]) -> None:
+    """Restore the optim wrapper's own state, e.g. an AMP loss scaler."""
+    if 'loss_scaler' in extras and hasattr(wrapper, 'loss_scaler'):
+        wrapper.loss_scaler.load_state_dict(extras['loss_scaler'])

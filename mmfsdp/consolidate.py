@@ -1,0 +1,60 @@
+"""Turn a sharded checkpoint directory into one full checkpoint file.
+
+Usage::
+
+    python -m mmfsdp.consolidate work_dirs/exp/iter_1000.pth work_dirs/exp/iter_1000_full.pth
+
+Runs in one process, without a process group: ``torch.distributed.checkpoint``
+reads every shard. The result has the format ``state_dict_type='full'`` writes:
+the unwrapped model's keys, a name-keyed optimizer state, and nothing that
+``torch.load(weights_only=True)`` rejects.
+"""
+import argparse
+import os
+import tempfile
+from typing import Any, Dict, Optional, Sequence
+
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from .checkpoint.safe_io import load_file, save_atomically
+from .checkpoint.sharded import is_sharded_checkpoint, read_sharded_meta
+
+__all__ = ['consolidate', 'main']
+
+
+def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any]:
+    """Write the full checkpoint of the sharded directory ``src`` to ``dst``; return it."""
+    if not is_sharded_checkpoint(src):
+        raise ValueError(f'{src} is not a sharded mmfsdp checkpoint directory')
+    checkpoint = read_sharded_meta(src, allow_unsafe)
+    extras = checkpoint.pop('optimizer_extras', None)
+    param_groups = checkpoint.pop('optimizer_param_groups', None)
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = os.path.join(tmp, 'merged.pth')
+        dcp_to_torch_save(src, merged)
+        shards = load_file(merged)
+    checkpoint['state_dict'] = shards['model']
+    if 'optimizer' in shards:
+        optimizer = shards['optimizer']
+        if 'state' in optimizer:
+            checkpoint['optimizer'] = dict(extras or {}, param_groups=param_groups, **optimizer)
+        else:
+            checkpoint['optimizer'] = {
+                name: dict((extras or {}).get(name, {}), param_groups=param_groups[name], **own)
+                for name, own in optimizer.items()}
+    save_atomically(checkpoint, dst)
+    return checkpoint
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('src', help='sharded checkpoint directory (e.g. iter_1000.pth/)')
+    parser.add_argument('dst', help='full checkpoint file to write')
+    args = parser.parse_args(argv)
+    consolidate(args.src, args.dst)
+    print(f'wrote {args.dst}')
+
+
+if __name__ == '__main__':
+    main()
