@@ -12,7 +12,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mmengine
 from mmengine.dist import barrier, is_main_process
+from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
+from .hook import CheckpointHook
 from .safe_io import (
     UNSAFE_SWITCH,
     decode_message_hub,
@@ -45,6 +47,17 @@ class CheckpointMixin:
     ordinary mmengine checkpoint (the latter needs ``allow_unsafe_checkpoints = True``
     in the config when it pickles mmengine or numpy classes).
     """
+
+    def register_hook(self, hook: Any, priority: Any = None) -> None:
+        """Register a hook; a stock ``CheckpointHook`` becomes the crash-safe one.
+
+        See :class:`mmfsdp.checkpoint.CheckpointHook`: same options, but the
+        expired checkpoint is deleted only after the new one is complete.
+        """
+        if isinstance(hook, dict) and hook.get('type') in ('CheckpointHook',
+                                                           MMEngineCheckpointHook):
+            hook = dict(hook, type=CheckpointHook)
+        super().register_hook(hook, priority)
 
     def save_checkpoint(self,
                         out_dir: str,

@@ -1,0 +1,155 @@
+"""Nothing is lost on a crash: a rank killed mid-save, a worker killed mid-training.
+
+A checkpoint is written under a temporary name and renamed into place, and
+the expired checkpoint is deleted only after ``last_checkpoint`` points at the
+new one (``max_keep_ckpts=1`` here). So SIGKILL during a save leaves the
+previous checkpoint and ``last_checkpoint`` intact, and ``resume=True``
+continues from it with the same numbers as an uninterrupted run.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+from harness import run_distributed
+from mmfsdp.checkpoint import is_sharded_checkpoint
+from toy import runner_config
+
+FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
+            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+KILL_AT, TOTAL = 4, 6
+TOL = 2e-5
+
+
+def _config(work_dir: str, kind: str, timeout: int = 60) -> Config:
+    cfg = runner_config(f'crash-{kind}', work_dir, wrapper=FSDP, batch_size=4, max_iters=TOTAL)
+    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2, by_epoch=False,
+                                              max_keep_ckpts=1, state_dict_type=kind)
+    cfg.update(resume=True, env_cfg=dict(dist_cfg=dict(timeout=timeout)))
+    return Config(cfg)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crash_during_save(work_dir: str, kind: str) -> None:
+    """Rank 0 dies half-way through writing the full file at KILL_AT; for
+    sharded checkpoints rank 1 dies while writing its shard."""
+    import mmfsdp
+    target = f'iter_{KILL_AT}.pth.tmp'
+    rank = int(os.environ['RANK'])
+    if kind == 'full' and rank == 0:
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if str(f).endswith(target):
+                with open(f, 'wb') as partial:
+                    partial.write(b'PK\x03\x04 half a checkpoint')
+                _die()
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    if kind == 'sharded' and rank == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+        real_write = FileSystemWriter.write_data
+
+        def write_data(self, plan, planner):
+            if target in str(self.path):
+                _die()
+            return real_write(self, plan, planner)
+
+        FileSystemWriter.write_data = write_data
+    mmfsdp.FSDPRunner.from_cfg(_config(work_dir, kind, timeout=10)).train()
+
+
+def _resume(root: str) -> dict:
+    import mmfsdp
+    from mmfsdp.checkpoint.state import gather_full_state
+    out = {}
+    for kind in ('full', 'sharded'):
+        runner = mmfsdp.FSDPRunner.from_cfg(_config(f'{root}/{kind}', kind))
+        runner.train()
+        out[kind] = dict(state=gather_full_state(runner.model, None)[0], iter=runner.iter)
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp('crash'))
+
+
+@pytest.fixture(scope='module')
+def crashed(root) -> dict:
+    """The state of each work dir right after its crash."""
+    state = {}
+    for kind in ('full', 'sharded'):
+        with pytest.raises((AssertionError, TimeoutError)):
+            run_distributed(_crash_during_save, 2, f'{root}/{kind}', kind, timeout=120)
+        work_dir = f'{root}/{kind}'
+        state[kind] = dict(files=sorted(os.listdir(work_dir)),
+                           last=open(f'{work_dir}/last_checkpoint').read())
+    return state
+
+
+@pytest.fixture(scope='module')
+def resumed(crashed, root) -> dict:
+    """Both crashed work dirs, resumed with ``resume=True`` in one 2-rank group."""
+    return run_distributed(_resume, 2, root)[0]
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory) -> dict:
+    """mmengine's stock Runner, one process, same global batch, uninterrupted."""
+    cfg = runner_config('ref', str(tmp_path_factory.mktemp('ref')), batch_size=8,
+                        max_iters=TOTAL, launcher='none')
+    runner = Runner.from_cfg(Config(cfg))
+    runner.train()
+    return runner.model.state_dict()
+
+
+def _max_diff(state: dict, expected: dict) -> float:
+    assert sorted(state) == sorted(expected)
+    return max((state[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize('kind', ['full', 'sharded'])
+def test_kill_during_save_keeps_previous_checkpoint(crashed, root, kind):
+    files, last = crashed[kind]['files'], crashed[kind]['last']
+    assert last == os.path.join(root, kind, 'iter_2.pth')
+    assert 'iter_2.pth' in files and f'iter_{KILL_AT}.pth' not in files
+    if kind == 'full':
+        assert torch.load(last)['meta']['iter'] == 2
+    else:
+        assert is_sharded_checkpoint(last)
+
+
+@pytest.mark.parametrize('kind', ['full', 'sharded'])
+def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, kind):
+    got = resumed[kind]
+    assert got['iter'] == TOTAL
+    diff = _max_diff(got['state'], reference)
+    print(f'{kind}: max abs diff after crash + auto-resume {diff:.1e}')
+    assert diff <= TOL
+
+
+def test_elastic_restart_resumes_and_matches_uninterrupted(tmp_path, reference):
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / 'final.pth'
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here), here, os.environ.get('PYTHONPATH', '')]))
+    subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                    '--nproc-per-node', '2', '--max-restarts', '1',
+                    os.path.join(here, 'elastic_job.py'), str(tmp_path / 'work'), str(out),
+                    str(KILL_AT + 1)], env=env, check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    final = torch.load(out)
+    assert final['restarts'] == 1 and final['iter'] == TOTAL
+    diff = _max_diff(final['state'], reference)
+    print(f'elastic restart: max abs diff {diff:.1e}')
+    assert diff <= TOL
