@@ -4,6 +4,7 @@ Importing the package registers everything: the wrappers, ``FSDPRunner``,
 the wrap policies and the demo workload, each under the scope ``'mmfsdp'``.
 """
 from . import demo, policies  # noqa: F401  (registration)
+from .amp import AmpOptimWrapper
 from .registry import FSDP_WRAP_POLICIES
 from .runner import FSDPRunner
 from .wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
@@ -11,6 +12,6 @@ from .wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
 __version__ = '0.1.0'
 
 __all__ = [
-    'FSDPRunner', 'FSDP_WRAP_POLICIES', 'MMDistributedDataParallel',
+    'AmpOptimWrapper', 'FSDPRunner', 'FSDP_WRAP_POLICIES', 'MMDistributedDataParallel',
     'MMFullyShardedDataParallel', '__version__'
 ]

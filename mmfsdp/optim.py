@@ -20,7 +20,8 @@ import torch
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
-__all__ = ['clean_param_name', 'clip_by_global_norm', 'retarget_parameters']
+__all__ = ['bind_optim_wrappers', 'clean_param_name', 'clip_by_global_norm',
+           'retarget_parameters']
 
 #: Module names that wrappers insert between a model and its parameters.
 _WRAPPER_TOKENS = frozenset({'_fsdp_wrapped_module', '_checkpoint_wrapped_module', 'module'})
@@ -62,6 +63,14 @@ def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
             except KeyError as e:
                 raise RuntimeError(f'the wrapped model has no parameter {e}; parameters of the '
                                    'optimizer must belong to the model') from None
+
+
+def bind_optim_wrappers(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
+    """Tell each optim wrapper that has ``bind_model`` (e.g. AMP) which model it steps."""
+    for wrapper in _optim_wrappers(optim_wrapper):
+        bind = getattr(wrapper, 'bind_model', None)
+        if callable(bind):
+            bind(model)
 
 
 def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:

@@ -15,12 +15,13 @@ from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import METRICS as MMENGINE_METRICS
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
+from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import Registry
 
 __all__ = [
     'DATASETS', 'FSDP_WRAP_POLICIES', 'HOOKS', 'METRICS', 'MODELS',
-    'MODEL_WRAPPERS', 'RUNNERS'
+    'MODEL_WRAPPERS', 'OPTIM_WRAPPERS', 'RUNNERS'
 ]
 
 SCOPE = 'mmfsdp'
@@ -33,6 +34,8 @@ MODEL_WRAPPERS = Registry(
 RUNNERS = Registry(
     'runner', parent=MMENGINE_RUNNERS, scope=SCOPE,
     locations=['mmfsdp'])
+OPTIM_WRAPPERS = Registry(
+    'optim_wrapper', parent=MMENGINE_OPTIM_WRAPPERS, scope=SCOPE, locations=['mmfsdp'])
 HOOKS = Registry(
     'hook', parent=MMENGINE_HOOKS, scope=SCOPE, locations=['mmfsdp'])
 MODELS = Registry(

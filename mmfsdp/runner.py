@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
-from .optim import clip_by_global_norm, retarget_parameters
+from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .registry import RUNNERS
 from .wrappers import MMDistributedDataParallel
 from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
@@ -111,3 +111,4 @@ class FSDPRunner(CheckpointMixin, Runner):
             retarget_parameters(self.optim_wrapper, names, self.model)
             if callable(getattr(self.model, 'clip_grad_norm_', None)):
                 clip_by_global_norm(self.optim_wrapper, self.model)
+            bind_optim_wrappers(self.optim_wrapper, self.model)

@@ -1,0 +1,86 @@
+"""``AmpOptimWrapper``: mixed-precision training on any device, shard-aware loss scaling.
+
+mmengine's ``AmpOptimWrapper`` asserts CUDA, and its ``GradScaler`` looks for
+inf/nan in the local gradients only. Under FSDP1 each rank holds a different
+shard of the gradients, so one rank could skip a step that the others take and
+the replicas diverge. Here autocast and the scaler follow the device, and once
+``FSDPRunner`` has wrapped an FSDP1 model the scaler becomes torch's
+``ShardedGradScaler``, which agrees on inf/nan across ranks. FSDP2 (DTensor
+gradients) and DDP (replicated gradients) use ``torch.amp.GradScaler``.
+
+Config (what ``tools/train.py --amp`` selects)::
+
+    optim_wrapper = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
+                         optimizer=dict(type='AdamW', lr=1e-3))
+"""
+import contextlib
+from typing import Any, Dict, Iterator, Optional, Union
+
+import torch
+from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
+from mmengine.optim import OptimWrapper
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from .dist import current_device
+from .options import check_keys, resolve_dtype
+from .registry import OPTIM_WRAPPERS
+
+__all__ = ['AmpOptimWrapper']
+
+_SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')
+
+
+@OPTIM_WRAPPERS.register_module()
+class AmpOptimWrapper(MMEngineAmpOptimWrapper):
+    """mmengine's ``AmpOptimWrapper`` (same arguments), on CPU and accelerators.
+
+    Args:
+        loss_scale: ``'dynamic'``, a fixed scale (float), or a dict of
+            ``GradScaler`` arguments (``init_scale``, ``growth_interval`` ...).
+        dtype: Autocast dtype: ``'float16'`` (default) or ``'bfloat16'``.
+        **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``,
+            ``accumulative_counts``).
+
+    """
+
+    def __init__(self,
+                 loss_scale: Union[str, float, Dict[str, Any]] = 'dynamic',
+                 dtype: Union[str, torch.dtype, None] = None,
+                 **kwargs: Any) -> None:
+        OptimWrapper.__init__(self, **kwargs)  # mmengine's __init__ asserts CUDA
+        self.cast_dtype = resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
+        self._device = current_device()
+        self._scale_update_param: Optional[float] = None
+        if loss_scale == 'dynamic':
+            self._scaler_kwargs: Dict[str, Any] = {}
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            self._scale_update_param = float(loss_scale)
+            self._scaler_kwargs = dict(init_scale=float(loss_scale))
+        elif isinstance(loss_scale, dict):
+            check_keys(loss_scale, _SCALER_KEYS, 'optim_wrapper.loss_scale')
+            self._scaler_kwargs = dict(loss_scale)
+        else:
+            raise TypeError("optim_wrapper.loss_scale: expected 'dynamic', a number or a dict "
+                            f'of {list(_SCALER_KEYS)}, got {loss_scale!r}')
+        self.loss_scaler = torch.amp.GradScaler(self._device.type, **self._scaler_kwargs)
+
+    def bind_model(self, model: nn.Module) -> None:
+        """Use a scaler that suits how ``model`` holds its gradients.
+
+        Called by ``FSDPRunner`` after wrapping; the scaler's state is kept.
+        """
+        if isinstance(model, FullyShardedDataParallel) and not isinstance(
+                self.loss_scaler, ShardedGradScaler):
+            scaler = ShardedGradScaler(self._device.type, process_group=model.process_group,
+                                       **self._scaler_kwargs)
+            scaler.load_state_dict(self.loss_scaler.state_dict())
+            self.loss_scaler = scaler
+
+    @contextlib.contextmanager
+    def optim_context(self, model: nn.Module) -> Iterator[None]:
+        """Gradient accumulation (``no_sync``) and autocast on this process's device."""
+        with OptimWrapper.optim_context(self, model), torch.autocast(
+                self._device.type, dtype=self.cast_dtype):
+            yield
