@@ -1,0 +1,1 @@
+"""Benchmarks of mmfsdp: measured costs, never timed tests."""
