@@ -73,6 +73,8 @@ def worker(kind: str, layers: int, width: int, repeats: int, work_dir: str) -> N
         start = time.perf_counter()
         runner.save_checkpoint(work_dir, 'iter_1.pth', by_epoch=False, state_dict_type=kind)
         saves.append(time.perf_counter() - start)
+    after_save = _peak_rss_mib()
+    for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         runner.resume(path)
@@ -84,7 +86,8 @@ def worker(kind: str, layers: int, width: int, repeats: int, work_dir: str) -> N
             save_s=statistics.median(saves), save_range=[min(saves), max(saves)],
             load_s=statistics.median(loads), load_range=[min(loads), max(loads)],
             bytes=_dir_size(path), rank0_peak_rss_mib_before=before,
-            rank0_peak_rss_mib_after=_peak_rss_mib())), flush=True)
+            rank0_peak_rss_mib_save=after_save,
+            rank0_peak_rss_mib_load=_peak_rss_mib())), flush=True)
 
 
 def measure(kind: str, layers: int, width: int, repeats: int) -> dict:
