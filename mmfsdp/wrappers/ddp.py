@@ -1,10 +1,11 @@
 """``MMDistributedDataParallel``: torch's DDP for mmengine models, on any device."""
 import contextlib
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Mapping, Optional
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..plan.spec import Padding, ShardingSpec
 from ..registry import MODEL_WRAPPERS
 from .steps import DataParallelSteps
 
@@ -77,3 +78,12 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
             return
         with super().no_sync():
             yield
+
+    @classmethod
+    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
+                      world_size: int) -> ShardingSpec:
+        """Every rank holds everything (see :mod:`mmfsdp.plan`)."""
+        return ShardingSpec(
+            wrapper='mmfsdp.MMDistributedDataParallel', strategy='REPLICATE', shard_size=1,
+            replicate_size=world_size, units=(), padding=Padding.NONE, shard_params=False,
+            shard_grads=False, shard_optimizer=False)

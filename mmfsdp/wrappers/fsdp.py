@@ -1,5 +1,6 @@
 """``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
 import functools
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
@@ -25,7 +26,8 @@ from ..options import (
     resolve_mixed_precision,
     resolve_sharding_strategy,
 )
-from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy
+from ..plan.spec import Padding, ShardingSpec
+from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from .guard import reject_stock_runner
 from .steps import DataParallelSteps
@@ -144,3 +146,31 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         cfg = FSDPConfig.from_dict(config)
         if module is not None:
             cfg.for_model(module)
+
+    @classmethod
+    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
+                      world_size: int) -> ShardingSpec:
+        """How this config shards ``module`` over ``world_size`` ranks (see :mod:`mmfsdp.plan`).
+
+        Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks
+        (the whole world when unset).
+        """
+        cfg = FSDPConfig.from_dict(config)
+        policy, _ = cfg.for_model(module)
+        strategy = cfg.sharding_strategy
+        hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+        shard = world_size
+        if strategy is ShardingStrategy.NO_SHARD:
+            shard = 1
+        elif hybrid:
+            shard = min(world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size)))
+        sharded = shard > 1
+        return ShardingSpec(
+            wrapper='mmfsdp.MMFullyShardedDataParallel', strategy=strategy.name,
+            shard_size=shard, replicate_size=world_size // shard,
+            units=tuple(plan_units(module, policy)) if policy else (),
+            padding=Padding.FLAT if sharded else Padding.NONE,
+            shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
+            keep_gathered_until_backward=sharded and strategy in (
+                ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2),
+            compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None)

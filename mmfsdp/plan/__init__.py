@@ -1,0 +1,34 @@
+"""Know before you launch: the sharding plan of a model and its memory per rank.
+
+- :mod:`.spec`: what a wrapper will do (its ``sharding_spec`` classmethod);
+- :mod:`.memory`: bytes per rank of parameters, gradients, optimizer state;
+- :mod:`.report`: the table, the JSON object and the warnings;
+- ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
+"""
+from typing import Any, Mapping, Optional
+
+from torch import nn
+
+from .memory import Plan, Unit, make_plan, optimizer_states_per_param
+from .report import format_plan, plan_to_dict, plan_warnings
+from .spec import Padding, ShardingSpec
+
+__all__ = ['Padding', 'Plan', 'ShardingSpec', 'Unit', 'format_plan', 'make_plan',
+           'optimizer_states_per_param', 'plan_for', 'plan_to_dict', 'plan_warnings']
+
+
+def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
+             world_size: int, optimizer_cfg: Optional[Mapping[str, Any]] = None) -> Plan:
+    """The plan of ``model`` under a ``model_wrapper_cfg``.
+
+    Raises ``TypeError`` if the wrapper cannot describe its sharding (only
+    mmfsdp's wrappers can).
+    """
+    describe = getattr(wrapper_cls, 'sharding_spec', None)
+    if describe is None:
+        raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
+                        "mmfsdp's wrappers")
+    options = {k: v for k, v in wrapper_cfg.items() if k != 'type'}
+    spec = describe(options, model, world_size)
+    return make_plan(model, spec, world_size,
+                     optimizer_states_per_param(dict(optimizer_cfg or {})))

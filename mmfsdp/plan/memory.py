@@ -1,0 +1,143 @@
+"""Bytes per rank of a sharding plan: parameters, gradients, optimizer state.
+
+Model-state memory is a function of the unit plan, the dtypes and the world
+size, so it can be computed exactly on a model built on the meta device,
+without a process group. The estimate of the peak adds the gathered
+parameters in flight (2 x the largest unit: the one computing and the one
+prefetched); activations depend on the batch and are not included.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .spec import Padding, ShardingSpec
+
+__all__ = ['Plan', 'Unit', 'make_plan', 'optimizer_states_per_param']
+
+#: Tensors of optimizer state per parameter element, by optimizer type name.
+_STATES = {'Adam': 2, 'AdamW': 2, 'Adamax': 2, 'NAdam': 2, 'RAdam': 2, 'Adagrad': 1,
+           'RMSprop': 1, 'Adadelta': 2, 'LAMB': 2, 'Lion': 1}
+
+
+def optimizer_states_per_param(optimizer_cfg: Dict) -> int:
+    """State tensors per parameter element of an optimizer config (AdamW: 2)."""
+    name = str(optimizer_cfg.get('type', 'AdamW')).split('.')[-1]
+    if name == 'SGD':
+        return 1 if optimizer_cfg.get('momentum', 0) else 0
+    return _STATES.get(name, 2)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit (or the root, named ``''``): a group sharded and gathered together."""
+
+    name: str
+    cls: str
+    numel: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    #: Bytes of this unit's parameters when gathered for compute.
+    gathered_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state of this unit on one rank."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sharding plan with its memory per rank; see :func:`make_plan`."""
+
+    spec: ShardingSpec
+    world_size: int
+    units: Tuple[Unit, ...]
+    #: Groups of parameter names that are one tensor (tied weights).
+    shared: Tuple[Tuple[str, ...], ...] = field(default=())
+    numel: int = 0
+    unsharded_bytes: int = 0
+
+    @property
+    def model_state_bytes_per_rank(self) -> int:
+        """Parameters + gradients + optimizer state held by one rank between steps."""
+        return sum(u.total_bytes for u in self.units)
+
+    @property
+    def largest_unit(self) -> Unit:
+        """The unit with the largest gathered size (it bounds the all-gather buffer)."""
+        return max(self.units, key=lambda u: u.gathered_bytes)
+
+    @property
+    def root(self) -> Unit:
+        """The root unit: the parameters no other unit claims."""
+        return next(u for u in self.units if u.name == '')
+
+    @property
+    def peak_bytes_per_rank_estimate(self) -> int:
+        """Model states + gathered parameters in flight; activations not included."""
+        gathered = 2 * self.largest_unit.gathered_bytes if self.spec.shard_params else 0
+        if self.spec.keep_gathered_until_backward:
+            gathered = sum(u.gathered_bytes for u in self.units)
+        return self.model_state_bytes_per_rank + gathered
+
+
+def _shard_numel(params: List[nn.Parameter], spec: ShardingSpec, sharded: bool) -> int:
+    """Elements this rank holds of ``params`` (padding included)."""
+    numel = sum(p.numel() for p in params)
+    if not sharded or spec.shard_size == 1:
+        return numel
+    if spec.padding is Padding.FLAT:
+        return math.ceil(numel / spec.shard_size)
+    return sum(math.ceil(p.shape[0] / spec.shard_size) * (p.numel() // max(p.shape[0], 1))
+               if p.dim() else p.numel() for p in params)
+
+
+def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.Parameter]]:
+    """Each unit's parameters, each parameter in the first unit (children first) reaching it."""
+    owner: Dict[int, str] = {}
+    for name in units:
+        for p in model.get_submodule(name).parameters():
+            owner.setdefault(id(p), name)
+    grouped: Dict[str, List[nn.Parameter]] = {name: [] for name in (*units, '')}
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            grouped[owner.get(id(p), '')].append(p)
+    return grouped
+
+
+def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
+              optimizer_states: int = 2) -> Plan:
+    """The memory plan of ``model`` (real or on the meta device) under ``spec``."""
+    grouped = _unit_params(model, spec.units)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    units = []
+    for name, params in sorted(grouped.items(), key=lambda item: order[item[0]]):
+        if not params and name:
+            continue
+        dtype_bytes = params[0].element_size() if params else 4
+        compute_bytes = (torch.empty((), dtype=spec.compute_dtype).element_size()
+                         if spec.compute_dtype else dtype_bytes)
+        numel = sum(p.numel() for p in params)
+        param_numel = _shard_numel(params, spec, spec.shard_params)
+        grad_numel = _shard_numel(params, spec, spec.shard_grads)
+        optim_numel = _shard_numel(params, spec, spec.shard_optimizer)
+        module = model.get_submodule(name) if name else model
+        units.append(Unit(name=name, cls=type(module).__name__, numel=numel,
+                          param_bytes=param_numel * dtype_bytes,
+                          grad_bytes=grad_numel * dtype_bytes,
+                          optimizer_bytes=optim_numel * dtype_bytes * optimizer_states,
+                          gathered_bytes=numel * compute_bytes))
+    names: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    shared = tuple(tuple(ns) for ns in names.values() if len(ns) > 1)
+    total = sum(u.numel for u in units)
+    elem = next(model.parameters()).element_size() if total else 4
+    return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
+                unsharded_bytes=total * elem * (2 + optimizer_states))

@@ -1,0 +1,95 @@
+"""A plan as a table for people, a JSON object for scripts, and warnings for mistakes."""
+from typing import Any, Dict, List
+
+from .memory import Plan
+
+__all__ = ['ROOT_SHARE_LIMIT', 'UNIT_COUNT_LIMIT', 'format_plan', 'plan_to_dict', 'plan_warnings']
+
+#: Warn when the root unit keeps more than this share of the parameters.
+ROOT_SHARE_LIMIT = 0.5
+#: Warn when a plan has more units than this.
+UNIT_COUNT_LIMIT = 1000
+
+
+def _size(n: float) -> str:
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+        if abs(n) < 1024 or unit == 'TiB':
+            return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+        n /= 1024
+    raise AssertionError('unreachable')
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, 'B'), (1e6, 'M'), (1e3, 'K')):
+        if n >= scale:
+            return f'{n / scale:.2f}{suffix}'
+    return str(n)
+
+
+def plan_warnings(plan: Plan) -> List[str]:
+    """Policy mistakes worth a warning, each saying which knob to turn."""
+    warnings = []
+    sharded_units = len(plan.units) - 1
+    if plan.spec.shard_params and plan.numel and plan.root.numel > ROOT_SHARE_LIMIT * plan.numel:
+        warnings.append(
+            f'the root unit keeps {plan.root.numel / plan.numel:.0%} of the parameters, so each '
+            f'forward gathers them all at once: wrap the large layers in their own units '
+            "(auto_wrap_policy=dict(type='transformer', layer_cls=[...]) or a lower "
+            'size_based min_num_params)')
+    if sharded_units > UNIT_COUNT_LIMIT:
+        warnings.append(
+            f'{sharded_units} units: so many small all-gathers cost latency; wrap larger '
+            'layers (fewer layer_cls, or a higher size_based min_num_params)')
+    return warnings
+
+
+def plan_to_dict(plan: Plan) -> Dict[str, Any]:
+    """The plan as plain JSON-able values."""
+    spec = plan.spec
+    return dict(
+        world_size=plan.world_size, wrapper=spec.wrapper, strategy=spec.strategy,
+        mesh=dict(replicate=spec.replicate_size, shard=spec.shard_size),
+        numel=plan.numel, unsharded_bytes=plan.unsharded_bytes,
+        model_state_bytes_per_rank=plan.model_state_bytes_per_rank,
+        peak_bytes_per_rank_estimate=plan.peak_bytes_per_rank_estimate,
+        largest_unit=plan.largest_unit.name or '(root)',
+        shared_parameters=[list(group) for group in plan.shared],
+        warnings=plan_warnings(plan),
+        units=[dict(name=u.name or '(root)', cls=u.cls, numel=u.numel, param_bytes=u.param_bytes,
+                    grad_bytes=u.grad_bytes, optimizer_bytes=u.optimizer_bytes,
+                    gathered_bytes=u.gathered_bytes) for u in plan.units])
+
+
+def format_plan(plan: Plan, max_rows: int = 40) -> str:
+    """One compact table: units in module order, totals, the unsharded equivalent."""
+    spec = plan.spec
+    lines = [f'{spec.wrapper} {spec.strategy}, world size {plan.world_size} '
+             f'(mesh replicate={spec.replicate_size} x shard={spec.shard_size}), '
+             f'{len(plan.units) - 1} units + root, {_count(plan.numel)} parameters']
+    header = f"{'unit':<32} {'class':<20} {'params':>8} {'param/rank':>11} " \
+             f"{'grad/rank':>11} {'optim/rank':>11}"
+    lines += [header, '-' * len(header)]
+    rows = list(plan.units)
+    shown = rows if len(rows) <= max_rows else rows[:max_rows // 2] + rows[-max_rows // 2:]
+    for i, u in enumerate(shown):
+        if len(rows) > max_rows and i == max_rows // 2:
+            lines.append(f'... {len(rows) - max_rows} more units ...')
+        name = u.name or '(root)'
+        lines.append(f'{name[-32:]:<32} {u.cls[:20]:<20} {_count(u.numel):>8} '
+                     f'{_size(u.param_bytes):>11} {_size(u.grad_bytes):>11} '
+                     f'{_size(u.optimizer_bytes):>11}')
+    lines.append('-' * len(header))
+    lines.append(f"{'total per rank':<53} {_size(sum(u.param_bytes for u in rows)):>20} "
+                 f'{_size(sum(u.grad_bytes for u in rows)):>11} '
+                 f'{_size(sum(u.optimizer_bytes for u in rows)):>11}')
+    lines.append(f'model states per rank {_size(plan.model_state_bytes_per_rank)} '
+                 f'(unsharded: {_size(plan.unsharded_bytes)}); largest unit '
+                 f"{plan.largest_unit.name or '(root)'} gathers "
+                 f'{_size(plan.largest_unit.gathered_bytes)}; peak estimate '
+                 f'{_size(plan.peak_bytes_per_rank_estimate)} per rank (activations not '
+                 'included)')
+    if plan.shared:
+        lines.append('shared parameters (one tensor, one unit): ' +
+                     '; '.join(' = '.join(group) for group in plan.shared))
+    lines += [f'warning: {w}' for w in plan_warnings(plan)]
+    return '\n'.join(lines)

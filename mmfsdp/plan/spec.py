@@ -1,0 +1,54 @@
+"""What a wrapper will do with a model: the input of every memory plan.
+
+Each mmfsdp wrapper describes its sharding with a :class:`ShardingSpec`
+(classmethod ``sharding_spec(config, module, world_size)``), computed from the
+same resolved config and the same wrap policy it shards with, so a plan can
+never disagree with what the wrapper builds.
+"""
+import enum
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ['Padding', 'ShardingSpec']
+
+
+class Padding(enum.Enum):
+    """How a unit's parameters are split over the ranks of its shard group."""
+
+    #: FSDP1: the unit's parameters are flattened into one vector, padded to a
+    #: multiple of the group size and split evenly.
+    FLAT = 'flat'
+    #: FSDP2: every parameter is split along dim 0, padded to a multiple of
+    #: the group size.
+    DIM0 = 'dim0'
+    #: Not split (DDP, NO_SHARD).
+    NONE = 'none'
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """A wrapper's sharding of one model at one world size."""
+
+    #: The wrapper's registered name, e.g. ``'mmfsdp.MMFullyShardedDataParallel'``.
+    wrapper: str
+    #: The strategy in the wrapper's own words, e.g. ``'FULL_SHARD'``.
+    strategy: str
+    #: Ranks that hold different shards of one unit (the ``shard`` mesh dim).
+    shard_size: int
+    #: Ranks that hold the same shard (the ``replicate`` mesh dim).
+    replicate_size: int
+    #: The units' module names, children before parents; the root is implied.
+    units: Tuple[str, ...]
+    padding: Padding
+    #: Whether parameters / gradients / optimizer states are split over ``shard_size``.
+    shard_params: bool
+    shard_grads: bool
+    shard_optimizer: bool
+    #: Whether gathered parameters stay unsharded from forward until backward
+    #: (SHARD_GRAD_OP, ``reshard_after_forward=False``): adds them to the peak.
+    keep_gathered_until_backward: bool = False
+    #: dtype of the gathered parameters used in compute (mixed precision), or
+    #: ``None`` for the parameters' own dtype.
+    compute_dtype: Optional[torch.dtype] = None

@@ -1,0 +1,142 @@
+"""The sharding plan: exact bytes per rank before launch, checked against a real run."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+from torch import nn
+
+from harness import run_distributed
+from mmfsdp.plan import format_plan, plan_for, plan_to_dict
+from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
+from toy import ToyClassifier, runner_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDP = 'mmfsdp.MMFullyShardedDataParallel'
+BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
+ADAMW = dict(type='AdamW', lr=1e-2)
+#: name -> (wrapper class, model_wrapper_cfg)
+WRAPPERS = {
+    'fsdp/full_shard': (MMFullyShardedDataParallel, dict(type=FSDP, auto_wrap_policy=BLOCKS)),
+    'fsdp/shard_grad_op': (MMFullyShardedDataParallel, dict(
+        type=FSDP, auto_wrap_policy=BLOCKS, sharding_strategy='SHARD_GRAD_OP')),
+    'ddp': (MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel')),
+}
+
+
+def _meta_toy() -> nn.Module:
+    with torch.device('meta'):
+        return ToyClassifier()
+
+
+def _held_bytes(runner) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds."""
+    model, optimizer = runner.model, runner.optim_wrapper.optimizer
+    with runner.optim_wrapper.optim_context(model):
+        data = model.module.data_preprocessor(next(iter(runner.train_dataloader)), True)
+        loss = model(**data, mode='loss')['loss']
+    loss.backward()
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return dict(
+        params=sum(size(p) for p in model.parameters()),
+        grads=sum(size(p.grad) for p in model.parameters() if p.grad is not None),
+        optimizer=sum(size(t) for state in optimizer.state.values() for t in state.values()
+                      if torch.is_tensor(t) and t.dim() > 0))
+
+
+def _truth(root: str) -> dict:
+    from mmfsdp import FSDPRunner
+    out = {}
+    for name, (_, wrapper) in WRAPPERS.items():
+        cfg = runner_config(name.replace('/', '-'), f'{root}/{name}', wrapper=wrapper,
+                            batch_size=4, max_iters=1, optim_wrapper=dict(optimizer=ADAMW))
+        runner = FSDPRunner.from_cfg(Config(cfg))
+        runner.train()
+        out[name] = _held_bytes(runner)
+    return out
+
+
+@pytest.fixture(scope='module')
+def held(tmp_path_factory) -> list:
+    return run_distributed(_truth, 2, str(tmp_path_factory.mktemp('plan')))
+
+
+@pytest.mark.parametrize('name', list(WRAPPERS))
+def test_plan_equals_bytes_held_after_a_step_up_to_padding(held, name):
+    cls, wrapper = WRAPPERS[name]
+    plan = plan_for(cls, wrapper, _meta_toy(), 2, ADAMW)
+    planned = dict(params=sum(u.param_bytes for u in plan.units),
+                   grads=sum(u.grad_bytes for u in plan.units),
+                   optimizer=sum(u.optimizer_bytes for u in plan.units))
+    # padding: under a flat shard, at most (world size - 1) elements per unit, per state
+    slack = len(plan.units) * (plan.spec.shard_size - 1) * 4
+    for rank in held:
+        for kind in ('params', 'grads', 'optimizer'):
+            per_state = 2 if kind == 'optimizer' else 1
+            print(f'{name} {kind}: plan {planned[kind]} B, held {rank[name][kind]} B')
+            assert 0 <= planned[kind] - rank[name][kind] <= slack * per_state
+    assert sum(planned.values()) == plan.model_state_bytes_per_rank
+
+
+def test_plan_of_the_demo_gpt_counts_every_parameter_once():
+    from mmfsdp.demo import GPT
+    with torch.device('meta'):
+        model = GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='transformer',
+                                                    layer_cls=['TransformerBlock']))
+    plan = plan_for(MMFullyShardedDataParallel, wrapper, model, 8, ADAMW)
+    assert plan.numel == sum(p.numel() for p in model.parameters())  # tied weight once
+    assert [u.name for u in plan.units] == ['', 'blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+    assert plan.shared == (('wte.weight', 'lm_head.weight'), )
+    assert plan.largest_unit.name == 'blocks.0'
+    table = format_plan(plan)
+    assert 'world size 8' in table and 'wte.weight = lm_head.weight' in table
+    assert 'activations not included' in table
+
+
+def test_full_shard_model_states_shrink_with_world_size():
+    wrapper = WRAPPERS['fsdp/full_shard'][1]
+    one, eight = (plan_for(MMFullyShardedDataParallel, wrapper, _meta_toy(), n, ADAMW)
+                  for n in (1, 8))
+    assert one.model_state_bytes_per_rank == one.unsharded_bytes == 16 * one.numel
+    assert eight.model_state_bytes_per_rank <= 1.05 * 16 * eight.numel / 8 + 8 * 4 * 4 * 5
+
+
+def test_a_plan_that_keeps_most_parameters_in_the_root_warns():
+    wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['LayerNorm']))
+    plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, _meta_toy(), 2, ADAMW))
+    assert any('root unit keeps' in w and 'layer_cls' in w for w in plan['warnings'])
+
+
+def test_a_plan_with_too_many_units_warns():
+    with torch.device('meta'):
+        model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(1001)])
+    wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['Linear']))
+    plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, model, 2, ADAMW))
+    assert any('1001 units' in w and 'min_num_params' in w for w in plan['warnings'])
+
+
+@pytest.mark.parametrize('config', sorted(
+    f for f in os.listdir(os.path.join(REPO, 'configs')) if f.endswith('.py')))
+def test_dry_run_prints_the_plan_of_every_example_config(config):
+    out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', f'configs/{config}',
+                          '--world-size', '1', '8', '64', '--format', 'json'],
+                         cwd=REPO, check=True, capture_output=True, text=True).stdout
+    plans = json.loads(out)
+    assert [p['world_size'] for p in plans] == [1, 8, 64]
+    for plan in plans:
+        assert {'model_state_bytes_per_rank', 'peak_bytes_per_rank_estimate', 'units'} <= set(plan)
+        assert plan['peak_bytes_per_rank_estimate'] >= plan['model_state_bytes_per_rank']
+
+
+def test_dry_run_of_a_billion_parameters_takes_seconds():
+    out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', 'configs/gpt-nano_fsdp_2xcpu.py',
+                          '--world-size', '64', '--format', 'json', '--cfg-options',
+                          'model.n_layer=24', 'model.n_embd=1792', 'model.n_head=28'],
+                         cwd=REPO, check=True, capture_output=True, text=True, timeout=60).stdout
+    plan = json.loads(out)[0]
+    assert plan['numel'] > 0.9e9
+    assert plan['model_state_bytes_per_rank'] < 1.05 * 16 * plan['numel'] / 64
