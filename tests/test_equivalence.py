@@ -48,6 +48,9 @@ SCENARIOS = {
     'ddp': (dict(type=DDP), ADAMW, {}),
     'ddp/clip_grad': (dict(type=DDP), CLIP, {}),
     'ddp/accumulate': (dict(type=DDP), ACCUMULATE, dict(max_iters=12)),
+    # DDP's static graph asserts if the first iteration skips synchronisation
+    'ddp/static_graph_accumulate': (dict(type=DDP, static_graph=True), ACCUMULATE,
+                                    dict(max_iters=12)),
     'ddp/paramwise_cfg': (dict(type=DDP), PARAMWISE, {}),
 }
 EVAL_SCENARIOS = {
