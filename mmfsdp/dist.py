@@ -83,5 +83,26 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
     if device.type != 'cpu':
         torch.accelerator.set_device_index(device.index)
     kwargs['backend'] = kwargs.get('backend') or default_backend(device)
-    dist.init_process_group(
-        rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']), **kwargs)
+    rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    store = _restart_safe_store(world_size, kwargs.get('timeout'))
+    if store is not None:
+        kwargs['store'] = store
+    dist.init_process_group(rank=rank, world_size=world_size, **kwargs)
+
+
+def _restart_safe_store(world_size: int,
+                        timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
+    """A store namespaced by torchrun's restart count, when workers share the agent's.
+
+    torchrun's workers connect to the agent's TCPStore, which outlives a
+    restart; without a namespace per attempt, a restarted rank can read a
+    peer's address from the previous attempt and fail to connect (seen with
+    gloo: "connectFullMesh failed ... Connection refused").
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                          is_master=False,
+                          timeout=timeout or datetime.timedelta(minutes=30))
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    return dist.PrefixStore(f'mmfsdp/attempt_{attempt}', store)

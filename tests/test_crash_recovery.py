@@ -143,11 +143,11 @@ def test_elastic_restart_resumes_and_matches_uninterrupted(tmp_path, reference):
     out = tmp_path / 'final.pth'
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(here), here, os.environ.get('PYTHONPATH', '')]))
-    subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                    '--nproc-per-node', '2', '--max-restarts', '1',
-                    os.path.join(here, 'elastic_job.py'), str(tmp_path / 'work'), str(out),
-                    str(KILL_AT + 1)], env=env, check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                          '--nproc-per-node', '2', '--max-restarts', '1',
+                          os.path.join(here, 'elastic_job.py'), str(tmp_path / 'work'), str(out),
+                          str(KILL_AT + 1)], env=env, timeout=300, capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr[-3000:]
     final = torch.load(out)
     assert final['restarts'] == 1 and final['iter'] == TOTAL
     diff = _max_diff(final['state'], reference)
