@@ -9,7 +9,12 @@ import the modules that fill it.
 
 ``FSDP_WRAP_POLICIES`` has no mmengine parent: it holds the auto-wrap policies
 that the FSDP wrappers resolve ``auto_wrap_policy=dict(type=...)`` against.
+
+Importing this module also lets configs of other projects inherit ours with
+``_base_ = ['mmfsdp::_base_/models/gpt_nano.py']`` (see
+:func:`register_config_package`).
 """
+from mmengine.config.utils import MODULE2PACKAGE
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import METRICS as MMENGINE_METRICS
@@ -50,3 +55,24 @@ METRICS = Registry(
 
 FSDP_WRAP_POLICIES = Registry(
     'fsdp wrap policy', scope=SCOPE, locations=['mmfsdp'])
+
+
+def register_config_package() -> None:
+    """Make mmengine's ``'mmfsdp::PATH'`` config lookup find ``mmfsdp/.mim/configs/PATH``.
+
+    mmengine 0.10.7 accepts ``'pkg::'`` only for the modules in its
+    ``MODULE2PACKAGE`` table (an ``AssertionError`` otherwise), so ``mmfsdp``
+    adds itself there. The value is the name mmengine passes to
+    ``pkg_resources.get_distribution`` and, when that finds nothing, to
+    ``importlib.util.find_spec``, whose origin's folder it takes as the
+    package folder. It is deliberately the *module* ``mmfsdp.registry``, no
+    distribution's name: ``get_distribution('mmfsdp')`` would answer with the
+    ``site-packages`` folder even for an editable install (``pip install -e
+    .``), where ``mmfsdp/`` is the working tree and ``site-packages/mmfsdp``
+    does not exist; the import system knows where the package really is, for
+    regular and editable installs and for ``PYTHONPATH`` alike.
+    """
+    MODULE2PACKAGE.setdefault(SCOPE, f'{SCOPE}.registry')
+
+
+register_config_package()
