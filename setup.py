@@ -1,9 +1,28 @@
-"""Install mmfsdp; ``requirements.txt`` lists what it needs."""
+"""Install mmfsdp; ``requirements.txt`` lists what it needs.
+
+``configs/`` and ``tools/`` also ship inside the package as ``mmfsdp/.mim/``,
+where mim (``mim train mmfsdp CONFIG``) and mmengine (``_base_ =
+['mmfsdp::...']``) look for them. ``mmfsdp/.mim/configs`` and
+``mmfsdp/.mim/tools`` are committed as relative symlinks to the top-level
+folders, so an editable install (``pip install -e .``, which runs
+``editable_wheel``, not ``develop``) sees the working tree, and a regular
+install copies the files: setuptools follows the symlinks when it collects the
+package data below. No ``develop``-only symlinking step is needed.
+"""
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+
+#: Package data under mmfsdp/, reached through the .mim symlinks.
+MIM_FILES = [
+    '.mim/model-index.yml',
+    '.mim/configs/**/*.py',
+    '.mim/configs/**/*.yml',
+    '.mim/tools/*.py',
+    '.mim/tools/*.sh',
+]
 
 
 def requirements() -> list:
@@ -19,6 +38,7 @@ setup(
     long_description=(HERE / 'README.md').read_text(encoding='utf-8'),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmfsdp', 'mmfsdp.*']),
+    package_data={'mmfsdp': MIM_FILES},
     python_requires='>=3.9',
     install_requires=requirements(),
     extras_require={'tests': ['pytest', 'ruff']},
