@@ -52,12 +52,15 @@ def parse_args() -> argparse.Namespace:
         choices=['none', 'pytorch', 'slurm', 'mpi'],
         default='none',
         help='job launcher')
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or
-    # --local_rank (older); torchrun sets LOCAL_RANK instead.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    # torch.distributed.launch (and so `mim train/test --launcher pytorch`)
+    # passes --local-rank; torchrun sets LOCAL_RANK instead. Only a given
+    # value is exported: a default of 0 would also reach slurm and mpi
+    # ranks, whose local rank the runner takes from SLURM_LOCALID /
+    # OMPI_COMM_WORLD_LOCAL_RANK only while LOCAL_RANK is unset.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=None)
     args = parser.parse_args()
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    if args.local_rank is not None:
+        os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
     return args
 
 
