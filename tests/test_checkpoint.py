@@ -172,6 +172,15 @@ def test_checkpoint_from_2_ranks_resumes_in_one_process(runs, root, kind):
                           OTHER_WORLD_TOL)
 
 
+@pytest.mark.parametrize('kind', TYPES)
+def test_load_from_reads_the_weights_in_one_process(runs, root, kind):
+    cfg = _config(f'{root}/load-{kind}', FSDP, 1, launcher='none')
+    runner = FSDPRunner.from_cfg(cfg)
+    runner.load_checkpoint(_ckpt(root, f'fsdp-{kind}', TOTAL))
+    expected = runs['uninterrupted/fsdp-full']['model']
+    assert _max_diff(runner.model.state_dict(), expected) == 0
+
+
 def test_full_checkpoint_loads_strictly_into_the_plain_model(runs, root):
     from mmengine.runner import load_checkpoint
     model = ToyClassifier()
