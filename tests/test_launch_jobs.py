@@ -1,0 +1,168 @@
+"""The README's launch commands, run for real on shortened schedules.
+
+Each test starts the job the way a user does (``tools/dist_train.sh`` with
+torchrun, ``tools/train.py`` on one process, ``tools/slurm_train.sh`` under
+srun) and reads what a user reads: the log and the work directory. Slurm is
+stood in for by a small ``srun`` that starts the tasks with the ``SLURM_*``
+variables the real one sets, and an ``scontrol`` that names the host.
+
+Every job runs in its own session under a deadline; a job past it is killed
+with all its processes.
+"""
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from harness import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+FSDP_CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
+DDP_CONFIG = 'configs/gpt-nano_ddp_2xcpu.py'
+#: Starting the interpreters dominates: each job is a few seconds of training.
+JOB_TIMEOUT_S = 240
+#: Byte-level model: guessing uniformly over 256 byte values has perplexity 256.
+UNIFORM_PERPLEXITY = 256.0
+
+TRAIN_LOSS = re.compile(r'Iter\(train\) \[\s*(\d+)/\d+\].*?\bloss: ([0-9.]+)')
+PERPLEXITY = re.compile(r'Iter\((val|test)\) .*?lm/perplexity: ([0-9.]+)')
+#: Variables a launcher sets; the jobs must not inherit them from the test run.
+LAUNCHER_VARS = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
+                 'MASTER_PORT', 'PORT')
+
+
+def run_job(cmd: List[str], *, env: dict = None, timeout: float = JOB_TIMEOUT_S) -> str:
+    """Run ``cmd`` from the repository root; return its output, or fail with it."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in LAUNCHER_VARS and not k.startswith('SLURM_')}
+    # One thread per process, as torchrun gives its workers: the suite shares
+    # the cores, and oversubscribed OpenMP threads slowed a step 10x here.
+    full_env['OMP_NUM_THREADS'] = '1'
+    full_env['PYTHONPATH'] = os.pathsep.join(
+        [str(REPO)] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else []))
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f'{cmd} still running after {timeout} s; output:\n{out[-6000:]}')
+    assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}; output:\n{out[-6000:]}'
+    return out
+
+
+def train_losses(log: str) -> List[float]:
+    return [float(loss) for _, loss in TRAIN_LOSS.findall(log)]
+
+
+def perplexities(log: str, mode: str) -> List[float]:
+    return [float(p) for m, p in PERPLEXITY.findall(log) if m == mode]
+
+
+def test_readme_demo_trains_then_evaluates_its_checkpoint(tmp_path):
+    """dist_train.sh on 2 CPU processes (FSDP), then test.py on the checkpoint (1 process)."""
+    work_dir = tmp_path / 'train'
+    log = run_job(
+        ['bash', 'tools/dist_train.sh', FSDP_CONFIG, '2', '--work-dir', str(work_dir),
+         '--cfg-options', 'train_cfg.max_iters=10', 'train_cfg.val_interval=10',
+         'default_hooks.logger.interval=2', 'train_dataloader.batch_size=8',
+         'val_dataloader.dataset.num_samples=64'],
+        env=dict(PORT=str(free_port()), PYTHON=sys.executable))
+    losses = train_losses(log)
+    assert len(losses) == 5, log[-3000:]
+    assert all(b < a for a, b in zip(losses, losses[1:])), f'loss did not fall: {losses}'
+    (val_ppl,) = perplexities(log, 'val')
+    assert val_ppl < UNIFORM_PERPLEXITY / 2
+    checkpoint = work_dir / 'iter_10.pth'
+    assert checkpoint.is_file()
+    assert Path((work_dir / 'last_checkpoint').read_text().strip()) == checkpoint
+
+    log = run_job([sys.executable, 'tools/test.py', FSDP_CONFIG, str(checkpoint),
+                   '--launcher', 'none', '--work-dir', str(tmp_path / 'test'),
+                   '--cfg-options', 'test_dataloader.dataset.num_samples=64'])
+    # The same 64 validation windows, evaluated by one process from the file.
+    (test_ppl,) = perplexities(log, 'test')
+    assert test_ppl == pytest.approx(val_ppl, rel=1e-3)
+
+
+def test_ddp_config_trains_on_one_process(tmp_path):
+    """`python tools/train.py CONFIG --launcher none`: no process group, no wrapper."""
+    log = run_job([sys.executable, 'tools/train.py', DDP_CONFIG, '--launcher', 'none',
+                   '--work-dir', str(tmp_path),
+                   '--cfg-options', 'train_cfg.max_iters=5', 'train_cfg.val_interval=100',
+                   'default_hooks.logger.interval=1', 'train_dataloader.batch_size=8'])
+    losses = train_losses(log)
+    assert len(losses) == 5 and losses[-1] < losses[0], losses
+    assert 'Distributed training: False' in log
+    assert (tmp_path / 'iter_5.pth').is_file()
+
+
+FAKE_SRUN = """#!{python}
+# Stands in for Slurm's srun: starts --ntasks copies of the command with the
+# SLURM_* variables srun sets, records its options, exits with a failed task's code.
+import json, os, subprocess, sys
+
+args, options = sys.argv[1:], {{}}
+while args and args[0].startswith('-'):
+    if args[0] in ('-p', '-J', '-n', '-N', '-c'):
+        options[args[0]], args = args[1], args[2:]
+    else:
+        key, _, value = args[0].partition('=')
+        options[key], args = value, args[1:]
+ntasks = int(options['--ntasks'])
+per_node = int(options.get('--ntasks-per-node', ntasks))
+with open(os.environ['FAKE_SRUN_RECORD'], 'w') as f:
+    json.dump(dict(options=options, command=args), f)
+tasks = [subprocess.Popen(args, env=dict(
+    os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks),
+    SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+    SLURM_NNODES=str(-(-ntasks // per_node)), SLURM_NODELIST='node-[0-9]',
+    SLURM_JOB_NAME=options.get('--job-name', ''))) for rank in range(ntasks)]
+codes = [task.wait() for task in tasks]
+sys.exit(next((code for code in codes if code), 0))
+"""
+#: scontrol show hostnames NODELIST: the job's hosts, the first being the master.
+FAKE_SCONTROL = '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo 127.0.0.1\n'
+
+
+def _install_fake_slurm(bin_dir: Path) -> None:
+    bin_dir.mkdir()
+    for name, text in (('srun', FAKE_SRUN.format(python=sys.executable)),
+                       ('scontrol', FAKE_SCONTROL)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
+    """slurm_train.sh -> srun -> 2 x train.py --launcher slurm (rank, size, master from Slurm)."""
+    _install_fake_slurm(tmp_path / 'bin')
+    record = tmp_path / 'srun.json'
+    work_dir = tmp_path / 'work'
+    env = dict(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               FAKE_SRUN_RECORD=str(record), PYTHON=sys.executable, PORT=str(free_port()),
+               GPUS='2', GPUS_PER_NODE='2', CPUS_PER_TASK='1', GRES='',
+               SRUN_ARGS='--exclusive --time=5')
+    log = run_job(['bash', 'tools/slurm_train.sh', 'debug', 'gpt-nano', FSDP_CONFIG,
+                   str(work_dir), '--cfg-options', 'train_cfg.max_iters=4',
+                   'train_cfg.val_interval=100', 'default_hooks.logger.interval=2',
+                   'train_dataloader.batch_size=4'], env=env)
+    srun = json.loads(record.read_text())
+    assert srun['options'] == {'-p': 'debug', '--job-name': 'gpt-nano', '--ntasks': '2',
+                               '--ntasks-per-node': '2', '--cpus-per-task': '1',
+                               '--kill-on-bad-exit': '1', '--exclusive': '', '--time': '5'}
+    assert srun['command'][:8] == [sys.executable, '-u', 'tools/train.py', FSDP_CONFIG,
+                                   f'--work-dir={work_dir}', '--launcher', 'slurm',
+                                   '--cfg-options']
+    assert 'Distributed launcher: slurm' in log and 'Distributed training: True' in log
+    assert len(train_losses(log)) == 2
+    assert (work_dir / 'iter_4.pth').is_file()

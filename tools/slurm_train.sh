@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Usage: [GPUS=8] [GPUS_PER_NODE=8] [CPUS_PER_TASK=5] [SRUN_ARGS=...] \
+#     bash tools/slurm_train.sh PARTITION JOB_NAME CONFIG WORK_DIR [train.py args...]
+# srun starts GPUS tasks, GPUS_PER_NODE on each node; every task runs
+# tools/train.py --launcher slurm, which takes its rank from SLURM_PROCID,
+# SLURM_NTASKS and SLURM_LOCALID, and the master from MASTER_ADDR (default:
+# the job's first node, asked of scontrol) and PORT (default 29500).
+# GRES is passed to --gres (default gpu:$GPUS_PER_NODE); GRES= (empty) asks for
+# none, for CPU-only partitions. PYTHON selects the interpreter.
+set -euo pipefail
+
+PARTITION=$1
+JOB_NAME=$2
+CONFIG=$3
+WORK_DIR=$4
+GPUS=${GPUS:-8}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+CPUS_PER_TASK=${CPUS_PER_TASK:-5}
+GRES=${GRES-gpu:${GPUS_PER_NODE}}
+SRUN_ARGS=${SRUN_ARGS:-""}
+export MASTER_PORT=${PORT:-${MASTER_PORT:-29500}}
+
+GRES_ARGS=()
+[[ -n "$GRES" ]] && GRES_ARGS=(--gres="$GRES")
+
+# SRUN_ARGS is split into words on purpose: it holds several options.
+# shellcheck disable=SC2086
+PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
+srun -p "$PARTITION" \
+    --job-name="$JOB_NAME" \
+    "${GRES_ARGS[@]}" \
+    --ntasks="$GPUS" \
+    --ntasks-per-node="$GPUS_PER_NODE" \
+    --cpus-per-task="$CPUS_PER_TASK" \
+    --kill-on-bad-exit=1 \
+    $SRUN_ARGS \
+    "${PYTHON:-python}" -u "$(dirname "$0")/train.py" \
+    "$CONFIG" \
+    --work-dir="$WORK_DIR" \
+    --launcher slurm "${@:5}"
