@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mmengine.config import Config
+from mmengine.config.lazy import LazyAttr, LazyObject
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSIC = REPO / 'configs'
@@ -39,6 +40,18 @@ def _normalise(value, key=None):
     return value
 
 
+def _unbuilt(value, path=''):
+    """Paths of imported objects mmengine leaves unbuilt (those inside lists)."""
+    if isinstance(value, dict):
+        for key in value:
+            yield from _unbuilt(value[key], f'{path}.{key}')  # ConfigDict builds on access
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _unbuilt(item, f'{path}[{i}]')
+    elif isinstance(value, (LazyAttr, LazyObject)):
+        yield path
+
+
 def test_every_config_has_a_twin():
     twins = {_twin(c) for c in _classic_configs()}
     python_style = {p for p in PYTHON_STYLE.rglob('*.py')}
@@ -50,6 +63,9 @@ def test_python_style_config_equals_classic(classic):
     expected = Config.fromfile(CLASSIC / classic).to_dict()
     cfg = Config.fromfile(_twin(classic))
     assert _normalise(cfg.to_dict()) == _normalise(expected)
+    # What the runner reads must be real objects: mmengine builds an imported
+    # object when a dict value is read, never inside a list.
+    assert not list(_unbuilt(cfg._cfg_dict)), 'write names, not imported objects, in lists'
     # The Python style imports real objects, not names: every type resolves.
     for section in ('model', 'model_wrapper_cfg', 'optim_wrapper', 'val_evaluator'):
         if section in cfg:

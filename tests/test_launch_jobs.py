@@ -26,6 +26,8 @@ from harness import free_port
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
 DDP_CONFIG = 'configs/gpt-nano_ddp_2xcpu.py'
+#: The Python-style twin (read_base, imported classes) runs under Slurm.
+PY_FSDP_CONFIG = 'configs/py/gpt_nano_fsdp_2xcpu.py'
 #: Starting the interpreters dominates: each job is a few seconds of training.
 JOB_TIMEOUT_S = 240
 #: Byte-level model: guessing uniformly over 256 byte values has perplexity 256.
@@ -144,7 +146,10 @@ def _install_fake_slurm(bin_dir: Path) -> None:
 
 
 def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
-    """slurm_train.sh -> srun -> 2 x train.py --launcher slurm (rank, size, master from Slurm)."""
+    """slurm_train.sh -> srun -> 2 x train.py --launcher slurm (rank, size, master from Slurm).
+
+    The job trains the Python-style config, so it also runs end to end.
+    """
     _install_fake_slurm(tmp_path / 'bin')
     record = tmp_path / 'srun.json'
     work_dir = tmp_path / 'work'
@@ -152,7 +157,7 @@ def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
                FAKE_SRUN_RECORD=str(record), PYTHON=sys.executable, PORT=str(free_port()),
                GPUS='2', GPUS_PER_NODE='2', CPUS_PER_TASK='1', GRES='',
                SRUN_ARGS='--exclusive --time=5')
-    log = run_job(['bash', 'tools/slurm_train.sh', 'debug', 'gpt-nano', FSDP_CONFIG,
+    log = run_job(['bash', 'tools/slurm_train.sh', 'debug', 'gpt-nano', PY_FSDP_CONFIG,
                    str(work_dir), '--cfg-options', 'train_cfg.max_iters=4',
                    'train_cfg.val_interval=100', 'default_hooks.logger.interval=2',
                    'train_dataloader.batch_size=4'], env=env)
@@ -160,7 +165,7 @@ def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
     assert srun['options'] == {'-p': 'debug', '--job-name': 'gpt-nano', '--ntasks': '2',
                                '--ntasks-per-node': '2', '--cpus-per-task': '1',
                                '--kill-on-bad-exit': '1', '--exclusive': '', '--time': '5'}
-    assert srun['command'][:8] == [sys.executable, '-u', 'tools/train.py', FSDP_CONFIG,
+    assert srun['command'][:8] == [sys.executable, '-u', 'tools/train.py', PY_FSDP_CONFIG,
                                    f'--work-dir={work_dir}', '--launcher', 'slurm',
                                    '--cfg-options']
     assert 'Distributed launcher: slurm' in log and 'Distributed training: True' in log

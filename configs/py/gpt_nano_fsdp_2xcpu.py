@@ -4,7 +4,6 @@
 from mmengine.config import read_base
 
 from mmfsdp import FSDPRunner, MMFullyShardedDataParallel
-from mmfsdp.demo import TransformerBlock
 
 with read_base():
     from ._base_.datasets.stdlib_chars import *  # noqa: F401,F403
@@ -16,5 +15,7 @@ runner_type = FSDPRunner
 model_wrapper_cfg = dict(
     type=MMFullyShardedDataParallel,
     sharding_strategy='FULL_SHARD',
-    auto_wrap_policy=dict(type='transformer', layer_cls=[TransformerBlock]),
+    # A name, not the class: mmengine builds the imported objects that are
+    # dict values, but leaves those inside a list as unbuilt LazyObjects.
+    auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
 )
