@@ -110,7 +110,8 @@ def test_ddp_config_trains_on_one_process(tmp_path):
 
 FAKE_SRUN = """#!{python}
 # Stands in for Slurm's srun: starts --ntasks copies of the command with the
-# SLURM_* variables srun sets, records its options, exits with a failed task's code.
+# SLURM_* variables srun sets, records its options, exits with a failed task's code
+# (with FAKE_SRUN_DRY_RUN set it only records).
 import json, os, subprocess, sys
 
 args, options = sys.argv[1:], {{}}
@@ -124,6 +125,8 @@ ntasks = int(options['--ntasks'])
 per_node = int(options.get('--ntasks-per-node', ntasks))
 with open(os.environ['FAKE_SRUN_RECORD'], 'w') as f:
     json.dump(dict(options=options, command=args), f)
+if os.environ.get('FAKE_SRUN_DRY_RUN'):
+    sys.exit(0)
 tasks = [subprocess.Popen(args, env=dict(
     os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks),
     SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
@@ -171,3 +174,16 @@ def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
     assert 'Distributed launcher: slurm' in log and 'Distributed training: True' in log
     assert len(train_losses(log)) == 2
     assert (work_dir / 'iter_4.pth').is_file()
+
+    # slurm_test.sh hands the same job to srun for test.py (recorded, not run:
+    # test.py's slurm start-up is train.py's, checked above).
+    env.update(FAKE_SRUN_DRY_RUN='1', GPUS='4', GPUS_PER_NODE='2', GRES='gpu:2', SRUN_ARGS='')
+    run_job(['bash', 'tools/slurm_test.sh', 'debug', 'gpt-nano-test', PY_FSDP_CONFIG,
+             str(work_dir / 'iter_4.pth'), '--work-dir', str(tmp_path / 'test')], env=env)
+    srun = json.loads(record.read_text())
+    assert srun['options'] == {'-p': 'debug', '--job-name': 'gpt-nano-test', '--gres': 'gpu:2',
+                               '--ntasks': '4', '--ntasks-per-node': '2', '--cpus-per-task': '1',
+                               '--kill-on-bad-exit': '1'}
+    assert srun['command'] == [sys.executable, '-u', 'tools/test.py', PY_FSDP_CONFIG,
+                               str(work_dir / 'iter_4.pth'), '--launcher', 'slurm',
+                               '--work-dir', str(tmp_path / 'test')]
