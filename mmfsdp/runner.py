@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
+from .meta_init import build_on_meta, wants_meta_init
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .registry import RUNNERS
 from .wrappers import MMDistributedDataParallel
@@ -49,6 +50,11 @@ class FSDPRunner(CheckpointMixin, Runner):
     - **Checkpoints**: every rank takes part in saving and loading; full
       files or sharded directories, safe to load, resumable at any world size
       (:class:`mmfsdp.checkpoint.CheckpointMixin`).
+    - **Meta init** (wrappers with ``supports_meta_init``, config
+      ``init_device='meta'``): the model is built on the meta device and
+      wrapped at once; the wrapper materialises and initialises each rank's
+      shard (:mod:`mmfsdp.meta_init`), so ``train()`` skips the stock
+      initialise-and-broadcast step.
 
     Without ``model_wrapper_cfg`` a distributed run uses
     ``mmfsdp.MMDistributedDataParallel``, which runs on CPU too.
@@ -66,6 +72,8 @@ class FSDPRunner(CheckpointMixin, Runner):
         self._wrapper_cfg = self._model_wrapper_config()
         self._wrapper_cls = resolve_wrapper_type(self._wrapper_cfg)
         check_wrapper_config(self._wrapper_cls, self._wrapper_cfg)
+        self._meta_init = self.distributed and wants_meta_init(self._wrapper_cls,
+                                                               self._wrapper_cfg)
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'))
         super().setup_env(env_cfg)
@@ -77,17 +85,33 @@ class FSDPRunner(CheckpointMixin, Runner):
                         find_unused_parameters=self.cfg.get('find_unused_parameters', False))
         return dict(cfg)
 
+    def build_model(self, model: Any) -> nn.Module:
+        """Build the model; on the meta device under meta init."""
+        if self._meta_init:
+            return build_on_meta(super().build_model, model)
+        return super().build_model(model)
+
     def wrap_model(self, model_wrapper_cfg: Optional[Dict], model: nn.Module) -> nn.Module:
         """Move the model to its device and check the wrapper config against it.
 
         The wrapping itself waits for :meth:`load_or_resume`, after the weights
-        are initialised.
+        are initialised, except under meta init, where it happens now.
         """
         if is_model_wrapper(model) or not self.distributed:
             return super().wrap_model(model_wrapper_cfg, model)
+        if self._meta_init:
+            check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
+            self.model = model
+            self._wrap()
+            return self.model
         model = model.to(current_device())
         check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
         return model
+
+    def _init_model_weights(self) -> None:
+        """The stock initialise-and-broadcast, unless the shards were initialised at wrapping."""
+        if not self._meta_init:
+            super()._init_model_weights()
 
     def load_or_resume(self) -> None:
         """Wrap the model, whose weights are now initialised, then load or resume."""
@@ -95,7 +119,10 @@ class FSDPRunner(CheckpointMixin, Runner):
         super().load_or_resume()
 
     def _wrap(self) -> None:
-        if not self.distributed or is_model_wrapper(self.model):
+        if not self.distributed:
+            return
+        if is_model_wrapper(self.model):
+            self._bind_optim_wrapper()  # wrapped before the optim wrapper existed (meta init)
             return
         model = self.model
         names = {id(p): n for n, p in model.named_parameters()}
@@ -109,6 +136,11 @@ class FSDPRunner(CheckpointMixin, Runner):
         self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
         if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
             retarget_parameters(self.optim_wrapper, names, self.model)
+        self._bind_optim_wrapper()
+
+    def _bind_optim_wrapper(self) -> None:
+        """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""
+        if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
             if callable(getattr(self.model, 'clip_grad_norm_', None)):
                 clip_by_global_norm(self.optim_wrapper, self.model)
             bind_optim_wrappers(self.optim_wrapper, self.model)
