@@ -7,11 +7,11 @@ from . import demo, policies  # noqa: F401  (registration)
 from .amp import AmpOptimWrapper
 from .registry import FSDP_WRAP_POLICIES
 from .runner import FSDPRunner
-from .wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
+from .wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 
 __version__ = '0.1.0'
 
 __all__ = [
     'AmpOptimWrapper', 'FSDPRunner', 'FSDP_WRAP_POLICIES', 'MMDistributedDataParallel',
-    'MMFullyShardedDataParallel', '__version__'
+    'MMFullyShard', 'MMFullyShardedDataParallel', '__version__'
 ]

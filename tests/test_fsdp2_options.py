@@ -1,0 +1,285 @@
+"""FSDP2 options: resolvers, FSDP1 translations, their errors, and the tied-parameter unit plan.
+
+Single process, no process group.
+"""
+import pytest
+import torch
+from mmengine.model import is_model_wrapper
+from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+
+from mmfsdp import MMFullyShard
+from mmfsdp.demo import GPT
+from mmfsdp.options import (
+    FSDP1_ONLY_OPTIONS,
+    MeshSpec,
+    resolve_init_device,
+    resolve_mesh,
+    resolve_mp_policy,
+    resolve_offload_policy,
+    resolve_reshard_after_forward,
+    translate_sharding_strategy,
+)
+from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp.tied import ROOT, merge_units_sharing_parameters
+from mmfsdp.wrappers import FullyShardConfig
+from toy import ToyClassifier
+
+
+def test_mixed_precision_dict_becomes_a_policy():
+    mp = resolve_mp_policy(dict(param_dtype='bf16', reduce_dtype='fp32', output_dtype='float32',
+                                cast_forward_inputs=False))
+    assert mp == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.float32, cast_forward_inputs=False)
+    assert resolve_mp_policy(None) == MixedPrecisionPolicy()
+
+
+@pytest.mark.parametrize('key, hint', [('buffer_dtype', 'does not cast buffers'),
+                                       ('keep_low_precision_grads', 'reduce_dtype'),
+                                       ('cast_root_forward_inputs', 'use cast_forward_inputs')])
+def test_fsdp1_mixed_precision_keys_say_what_to_do(key, hint):
+    with pytest.raises(TypeError) as e:
+        resolve_mp_policy({key: 'fp32' if 'dtype' in key else True})
+    assert f'mixed_precision: {key!r} is an FSDP1 key' in str(e.value) and hint in str(e.value)
+
+
+def test_fsdp1_mixed_precision_object_is_rejected():
+    with pytest.raises(TypeError, match='MixedPrecisionPolicy'):
+        resolve_mp_policy(MixedPrecision(param_dtype=torch.bfloat16))
+
+
+def test_mixed_precision_typos_name_the_key():
+    with pytest.raises(ValueError, match=r"mixed_precision\.param_dtype: 'bf17'.*'bf16'"):
+        resolve_mp_policy(dict(param_dtype='bf17'))
+    with pytest.raises(TypeError, match="'compute_dtype'.*'param_dtype'"):
+        resolve_mp_policy(dict(compute_dtype='bf16'))
+
+
+@pytest.mark.parametrize('value, expected', [
+    (None, OffloadPolicy()), (False, OffloadPolicy()), (True, CPUOffloadPolicy()),
+    (dict(cpu_offload=False), OffloadPolicy()),
+    (dict(cpu_offload=True, pin_memory=False), CPUOffloadPolicy(pin_memory=False)),
+    (CPUOffloadPolicy(pin_memory=False), CPUOffloadPolicy(pin_memory=False))])
+def test_offload_values(value, expected):
+    resolved = resolve_offload_policy(value)
+    assert type(resolved) is type(expected) and resolved == expected
+
+
+@pytest.mark.parametrize('value, error, fragment', [
+    ('yes', TypeError, "offload: expected dict(cpu_offload=..., pin_memory=...)"),
+    (dict(cpu_offload='yes'), TypeError, "offload.cpu_offload: expected True or False"),
+    (dict(offload_params=True), TypeError, "unknown key 'offload_params'"),
+    (dict(pin_memory=False), ValueError, 'only applies with cpu_offload=True')])
+def test_bad_offload_values(value, error, fragment):
+    with pytest.raises(error) as e:
+        resolve_offload_policy(value)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize('value', [True, False, 2, 8])
+def test_reshard_after_forward_values(value):
+    assert resolve_reshard_after_forward(value) == value
+
+
+@pytest.mark.parametrize('value, error', [(1, ValueError), (0, ValueError), ('yes', TypeError),
+                                          (None, TypeError)])
+def test_bad_reshard_after_forward(value, error):
+    with pytest.raises(error, match='reshard_after_forward'):
+        resolve_reshard_after_forward(value)
+
+
+@pytest.mark.parametrize('mesh, world, local, sizes', [
+    (dict(), 4, None, (1, 4)), (dict(replicate=2, shard=2), 4, None, (2, 2)),
+    (dict(replicate=2), 8, None, (2, 4)), (dict(replicate=-1, shard=2), 8, None, (4, 2)),
+    (dict(replicate=-1, shard='node'), 8, 4, (2, 4))])
+def test_mesh_sizes(mesh, world, local, sizes):
+    assert resolve_mesh(mesh).sizes(world, local) == sizes
+
+
+def test_mesh_that_does_not_fit_the_world_says_so():
+    with pytest.raises(ValueError) as e:
+        resolve_mesh(dict(replicate=3, shard=2)).sizes(4)
+    msg = str(e.value)
+    assert 'replicate=3 x shard=2' in msg and 'world size 4' in msg
+    with pytest.raises(ValueError, match='world size 4'):
+        resolve_mesh(dict(replicate=3)).sizes(4)
+
+
+@pytest.mark.parametrize('mesh, fragment', [
+    (dict(replicate=0), 'mesh.replicate: expected a positive int'),
+    (dict(shard=True), 'mesh.shard: expected a positive int'),
+    (dict(replicate='node'), 'mesh.replicate'),
+    (dict(replicas=2), "did you mean 'replicate'"),
+    ([2, 2], 'mesh: expected dict(replicate=..., shard=...)')])
+def test_bad_mesh(mesh, fragment):
+    with pytest.raises((TypeError, ValueError)) as e:
+        resolve_mesh(mesh)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize('strategy, expected', [
+    ('FULL_SHARD', (True, False)), ('shard_grad_op', (False, False)),
+    ('HYBRID_SHARD', (True, True)), ('_HYBRID_SHARD_ZERO2', (False, True))])
+def test_sharding_strategy_translation(strategy, expected):
+    assert translate_sharding_strategy(strategy) == expected
+
+
+def test_no_shard_points_to_ddp():
+    with pytest.raises(ValueError, match="NO_SHARD.*mmfsdp.MMDistributedDataParallel"):
+        translate_sharding_strategy('NO_SHARD')
+
+
+def test_init_device():
+    assert resolve_init_device(None) is None and resolve_init_device('meta') == 'meta'
+    with pytest.raises(ValueError, match="init_device: 'meat'.*did you mean 'meta'"):
+        resolve_init_device('meat')
+
+
+# ------------------------------------------------------------------ the config
+
+def test_config_defaults():
+    cfg = FullyShardConfig.from_dict({})
+    assert cfg.reshard_after_forward is True and cfg.mesh == MeshSpec(1, -1)
+    assert cfg.mixed_precision == MixedPrecisionPolicy()
+    assert type(cfg.offload) is OffloadPolicy and cfg.init_device is None
+
+
+@pytest.mark.parametrize('key', list(FSDP1_ONLY_OPTIONS))
+def test_fsdp1_only_options_say_what_to_use_instead(key):
+    with pytest.raises(TypeError) as e:
+        FullyShardConfig.from_dict({key: True})
+    msg = str(e.value)
+    assert f"model_wrapper_cfg: '{key}' is an FSDP1 option" in msg
+    assert FSDP1_ONLY_OPTIONS[key] in msg
+
+
+def test_cpu_offload_points_to_offload():
+    with pytest.raises(TypeError, match=r'use offload=dict\(cpu_offload=True'):
+        FullyShardConfig.from_dict(dict(cpu_offload=True))
+
+
+@pytest.mark.parametrize('strategy, reshard, mesh', [
+    ('FULL_SHARD', True, MeshSpec()), ('SHARD_GRAD_OP', False, MeshSpec()),
+    ('HYBRID_SHARD', True, MeshSpec(replicate=-1, shard='node')),
+    ('_HYBRID_SHARD_ZERO2', False, MeshSpec(replicate=-1, shard='node'))])
+def test_config_translates_sharding_strategy(strategy, reshard, mesh):
+    cfg = FullyShardConfig.from_dict(dict(sharding_strategy=strategy))
+    assert cfg.reshard_after_forward is reshard and cfg.mesh == mesh
+
+
+def test_hybrid_strategy_keeps_an_explicit_mesh():
+    cfg = FullyShardConfig.from_dict(dict(sharding_strategy='HYBRID_SHARD',
+                                          mesh=dict(replicate=2, shard=4)))
+    assert cfg.mesh == MeshSpec(2, 4)
+    with pytest.raises(ValueError, match='mesh has replicate=1'):
+        FullyShardConfig.from_dict(dict(sharding_strategy='HYBRID_SHARD', mesh=dict(shard=4)))
+
+
+def test_sharding_strategy_and_reshard_after_forward_conflict():
+    with pytest.raises(TypeError, match='not both'):
+        FullyShardConfig.from_dict(dict(sharding_strategy='FULL_SHARD',
+                                        reshard_after_forward=False))
+
+
+def test_unknown_keyword_suggests_the_closest():
+    with pytest.raises(TypeError) as e:
+        FullyShardConfig.from_dict(dict(reshard_after_foward=True))
+    msg = str(e.value)
+    assert "'reshard_after_foward'" in msg and "did you mean 'reshard_after_forward'" in msg
+
+
+def test_check_config_checks_model_dependent_options():
+    model = ToyClassifier()
+    MMFullyShard.check_config(dict(auto_wrap_policy=dict(type='transformer',
+                                                         layer_cls=['ToyBlock'])), model)
+    with pytest.raises(ValueError, match="'ToyBlk'.*ToyBlock"):
+        MMFullyShard.check_config(dict(auto_wrap_policy=dict(type='transformer',
+                                                             layer_cls=['ToyBlk'])), model)
+    with pytest.raises(ValueError, match='activation_checkpointing.layer_cls'):
+        MMFullyShard.check_config(dict(activation_checkpointing=dict(layer_cls=['Blk'])), model)
+
+
+def test_registered_as_an_mmengine_model_wrapper():
+    assert MMENGINE_MODEL_WRAPPERS.get('mmfsdp.MMFullyShard') is MMFullyShard
+    wrapper = MMFullyShard.__new__(MMFullyShard)
+    nn.Module.__init__(wrapper)
+    assert is_model_wrapper(wrapper)
+
+
+# ------------------------------------------------------------------ shared parameters
+
+def _gpt() -> GPT:
+    return GPT(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def _units(model: nn.Module, cfg) -> list:
+    return plan_units(model, build_wrap_policy(cfg, model))
+
+
+def test_transformer_policy_needs_no_merge_for_the_tied_gpt():
+    model = _gpt()
+    units = _units(model, dict(type='transformer', layer_cls=['TransformerBlock']))
+    assert merge_units_sharing_parameters(model, units) == (units, [])
+
+
+def test_tied_embedding_unit_merges_into_the_root():
+    model = _gpt()
+    units = _units(model, dict(type='module_types', module_cls=['Embedding']))
+    assert units == ['wte', 'wpe']
+    kept, merges = merge_units_sharing_parameters(model, units)
+    assert kept == ['wpe']
+    assert len(merges) == 1 and merges[0].dropped == ('wte', ) and merges[0].owner == ROOT
+    assert merges[0].parameter_names == ('wte.weight', 'lm_head.weight')
+
+
+def test_tied_units_both_merge_into_their_common_ancestor():
+    model = _gpt()
+    units = _units(model, dict(type='module_types', module_cls=['Embedding', 'Linear']))
+    assert 'wte' in units and 'lm_head' in units
+    kept, merges = merge_units_sharing_parameters(model, units)
+    assert 'wte' not in kept and 'lm_head' not in kept and 'wpe' in kept
+    assert 'blocks.0.attn.qkv' in kept  # untouched
+
+
+def test_sharing_inside_a_unit_stays_in_that_unit():
+    inner = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
+    inner.b.weight = inner.a.weight
+    model = nn.ModuleDict(dict(outer=nn.ModuleDict(dict(inner=inner)), other=nn.Linear(4, 4)))
+    kept, merges = merge_units_sharing_parameters(
+        model, ['outer.inner.a', 'outer.inner.b', 'outer.inner', 'other'])
+    assert kept == ['outer.inner', 'other']
+    assert merges[0].owner == 'outer.inner'
+    assert merges[0].dropped == ('outer.inner.a', 'outer.inner.b')
+
+
+def test_shared_module_counts_as_shared_parameters():
+    block = nn.Linear(4, 4)
+    model = nn.Sequential(block, nn.ReLU(), block)
+    kept, merges = merge_units_sharing_parameters(model, ['0', '2'])
+    assert kept == [] and merges[0].owner == ROOT
+
+
+def test_sharding_spec_describes_the_mesh_and_the_merged_units(monkeypatch):
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
+    cfg = dict(auto_wrap_policy=dict(type='module_types', module_cls=['Embedding']),
+               sharding_strategy='HYBRID_SHARD', mixed_precision=dict(param_dtype='bf16'))
+    spec = MMFullyShard.sharding_spec(cfg, _gpt(), world_size=8)
+    assert (spec.replicate_size, spec.shard_size) == (2, 4)
+    assert spec.units == ('wpe', ) and spec.compute_dtype is torch.bfloat16
+    assert not spec.keep_gathered_until_backward
+    spec = MMFullyShard.sharding_spec(dict(reshard_after_forward=False), _gpt(), world_size=2)
+    assert spec.shard_size == 2 and spec.units == () and spec.keep_gathered_until_backward
+
+
+def test_pinned_offload_on_a_cpu_only_machine_says_what_to_do():
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip('this process trains on an accelerator')
+    MMFullyShard.check_config(dict(offload=dict(cpu_offload=True, pin_memory=False)))
+    with pytest.raises(ValueError, match='offload.pin_memory: pinned memory needs an accelerator'):
+        MMFullyShard.check_config(dict(offload=dict(cpu_offload=True)))
