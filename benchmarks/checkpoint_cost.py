@@ -1,124 +1,111 @@
-"""Checkpoint cost at world size 2: save / load time, size, rank-0 peak memory.
+"""Item 6: checkpoint cost, full vs sharded: save / load time, size, rank-0 peak memory.
 
-Usage::
+Usage (standalone; the suite runs the same cases)::
 
-    python -m benchmarks.checkpoint_cost [--layers 8 --width 768 --repeats 3]
+    python -m benchmarks.checkpoint_cost [--model gpt-100m --world-size 2 --repeats 3]
 
-Each checkpoint type is measured in its own torchrun job (2 CPU processes,
-gloo), so that a process's peak RSS belongs to one type. The model is the demo
-GPT with FSDP1 FULL_SHARD per TransformerBlock and AdamW state after one step.
-Prints one JSON line per type and appends a table to ``docs/benchmarks.md``
-when ``--report`` is given.
+Each checkpoint type is measured in its own torchrun job, so that a process's
+memory belongs to one type. The model is the demo GPT with FSDP1 FULL_SHARD
+per ``TransformerBlock`` and AdamW state after one step. A job saves
+``repeats`` times and resumes ``repeats`` times (model + optimizer +
+schedulers); the peaks are the increase of the resident set over its value
+just before the first save (resp. resume), from the kernel's high-water mark,
+reset at that moment.
 """
 import argparse
 import json
 import os
-import resource
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from typing import Any, Dict, List
+
+from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes, summary
+from .workload import STRATEGIES, make_runner, runner_cfg
+
+__all__ = ['TYPES', 'case', 'run_case']
 
 TYPES = ('full', 'sharded')
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _dir_size(path: str) -> int:
+def _size(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def worker(kind: str, layers: int, width: int, repeats: int, work_dir: str) -> None:
-    """One torchrun rank: build, step once, then save and load ``repeats`` times."""
+def case(kind: str, model: str, repeats: int) -> Dict[str, Any]:
+    """The case of one checkpoint type."""
+    return dict(kind='checkpoint', type=kind, model=model, repeats=repeats,
+                name=f'ckpt-{kind}-{model}')
+
+
+def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
+    """One torchrun rank: build, step once, then save and resume ``repeats`` times."""
     import torch
     import torch.distributed as dist
-    from mmengine.config import Config
-
-    import mmfsdp
-    from mmfsdp.dist import init_distributed
-    torch.set_num_threads(1)
-    init_distributed('pytorch', dict(timeout=600))
-    cfg = Config(dict(
-        model=dict(type='mmfsdp.GPT', vocab_size=256, block_size=64, n_layer=layers,
-                   n_head=max(1, width // 64), n_embd=width),
-        work_dir=work_dir, launcher='pytorch', log_level='WARNING',
-        experiment_name=f'ckpt-{kind}',
-        runner_type='mmfsdp.FSDPRunner',
-        model_wrapper_cfg=dict(type='mmfsdp.MMFullyShardedDataParallel',
-                               auto_wrap_policy=dict(type='transformer',
-                                                     layer_cls=['TransformerBlock'])),
-        train_dataloader=dict(dataset=dict(type='mmfsdp.StdlibCharDataset', block_size=64,
-                                           max_chars=200_000),
-                              sampler=dict(type='DefaultSampler', shuffle=True),
-                              collate_fn=dict(type='default_collate'), batch_size=2),
-        train_cfg=dict(by_epoch=False, max_iters=1),
-        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4)),
-        default_hooks=dict(checkpoint=None)))
-    runner = mmfsdp.FSDPRunner.from_cfg(cfg)
-    runner.train()
-    params = torch.tensor(sum(p.numel() for p in runner.model.parameters()))
-    dist.all_reduce(params)  # the local shards add up to the model
-    world = dist.get_world_size()
-    before = _peak_rss_mib()
-    saves, loads = [], []
-    path = os.path.join(work_dir, 'iter_1.pth')
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        runner.save_checkpoint(work_dir, 'iter_1.pth', by_epoch=False, state_dict_type=kind)
-        saves.append(time.perf_counter() - start)
-    after_save = _peak_rss_mib()
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        runner.resume(path)
-        dist.barrier()
-        loads.append(time.perf_counter() - start)
-    if dist.get_rank() == 0:
-        print('RESULT ' + json.dumps(dict(
-            type=kind, params=int(params), world_size=world,
-            save_s=statistics.median(saves), save_range=[min(saves), max(saves)],
-            load_s=statistics.median(loads), load_range=[min(loads), max(loads)],
-            bytes=_dir_size(path), rank0_peak_rss_mib_before=before,
-            rank0_peak_rss_mib_save=after_save,
-            rank0_peak_rss_mib_load=_peak_rss_mib())), flush=True)
-
-
-def measure(kind: str, layers: int, width: int, repeats: int) -> dict:
-    """Run one torchrun job for ``kind``; return its result."""
-    work_dir = tempfile.mkdtemp(prefix=f'mmfsdp-ckpt-{kind}-')
+    kind, repeats = case['type'], case['repeats']
+    work_dir = tempfile.mkdtemp(prefix=f'mmfsdp-ckpt-{kind}-') if dist.get_rank() == 0 else None
+    holder = [work_dir]
+    dist.broadcast_object_list(holder, src=0)
+    work_dir = holder[0]
     try:
-        out = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node',
-             '2', '-m', 'benchmarks.checkpoint_cost', '--worker', kind, '--layers', str(layers),
-             '--width', str(width), '--repeats', str(repeats), '--work-dir', work_dir],
-            check=True, capture_output=True, text=True).stdout
+        cfg = runner_cfg(case['model'], STRATEGIES['FSDP1 FULL_SHARD'].wrapper_cfg, work_dir,
+                         case['name'], 2, 64, 1)
+        runner = make_runner(cfg)
+        runner.train()
+        params = torch.tensor(sum(p.numel() for p in runner.model.parameters()))
+        dist.all_reduce(params)  # the local shards add up to the model
+        path = os.path.join(work_dir, 'iter_1.pth')
+        saves: List[float] = []
+        loads: List[float] = []
+        before_save = rss_bytes()
+        reset_peak_rss()
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            runner.save_checkpoint(work_dir, 'iter_1.pth', by_epoch=False, state_dict_type=kind)
+            dist.barrier()
+            saves.append(time.perf_counter() - start)
+        peak_save = peak_rss_bytes() - before_save
+        before_load = rss_bytes()
+        reset_peak_rss()
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            runner.resume(path)
+            dist.barrier()
+            loads.append(time.perf_counter() - start)
+        peak_load = peak_rss_bytes() - before_load
+        size = _size(path) if dist.get_rank() == 0 else 0
+        del runner
     finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    line = next(line for line in out.splitlines() if line.startswith('RESULT '))
-    return json.loads(line[len('RESULT '):])
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    peaks: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (peak_save, peak_load))
+    if dist.get_rank() != 0:
+        return {}
+    return dict(kind='checkpoint', name=case['name'], type=kind, model=case['model'],
+                params=int(params), world_size=dist.get_world_size(),
+                save_s=summary(saves), load_s=summary(loads), bytes=size,
+                rank0_peak_save_bytes=peak_save, rank0_peak_load_bytes=peak_load,
+                max_peak_save_bytes=max(p[0] for p in peaks),
+                max_peak_load_bytes=max(p[1] for p in peaks))
 
 
 def main() -> None:
-    """Command-line entry point."""
+    """Command-line entry point: one torchrun job per type, one JSON line per result."""
+    from .launch import torchrun
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--layers', type=int, default=8)
-    parser.add_argument('--width', type=int, default=768)
+    parser.add_argument('--model', default='gpt-100m')
+    parser.add_argument('--world-size', type=int, default=2)
     parser.add_argument('--repeats', type=int, default=3)
-    parser.add_argument('--worker', choices=TYPES)
-    parser.add_argument('--work-dir')
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.layers, args.width, args.repeats, args.work_dir)
-        return
     for kind in TYPES:
-        print(json.dumps(measure(kind, args.layers, args.width, args.repeats)), flush=True)
+        result, = torchrun([case(kind, args.model, args.repeats)], args.world_size)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,86 @@
+"""Probes of one process: resident memory and its peak, bytes held by tensors, summaries.
+
+Peak memory is the kernel's high-water mark of the resident set (``VmHWM``);
+writing ``5`` to ``/proc/self/clear_refs`` resets it to the current resident
+set (Linux >= 4.0), so one process can measure the peak of one training step,
+then of the next, and report a median over steps.
+
+Model-state bytes are counted from the tensors themselves: the *storages*
+behind the local parameters, gradients and optimizer state, each storage once
+(FSDP1 parameters are views of one flat shard; DDP gradients are views of its
+buckets; FSDP2 parameters are DTensors whose local tensors are padded shards).
+"""
+import statistics
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+__all__ = ['model_state_bytes', 'peak_rss_bytes', 'reset_peak_rss', 'rss_bytes', 'summary']
+
+
+def _status_bytes(field: str) -> int:
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(field + ':'):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f'/proc/self/status has no {field}')
+
+
+def rss_bytes() -> int:
+    """The resident set of this process now."""
+    return _status_bytes('VmRSS')
+
+
+def peak_rss_bytes() -> int:
+    """The highest resident set since the process started or :func:`reset_peak_rss`."""
+    return _status_bytes('VmHWM')
+
+
+def reset_peak_rss() -> None:
+    """Reset the high-water mark to the current resident set."""
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, else the tensor."""
+    return getattr(tensor, '_local_tensor', tensor)
+
+
+def _storages_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+    total = 0
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def model_state_bytes(model: torch.nn.Module,
+                      optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, int]:
+    """Bytes of the storages behind parameters, gradients and optimizer state on this rank."""
+    seen: set = set()
+    params = list(model.parameters())
+    out = dict(params=_storages_bytes(params, seen),
+               grads=_storages_bytes([p.grad for p in params if p.grad is not None], seen),
+               optimizer=_storages_bytes(_optimizer_tensors(optimizer), seen)
+               if optimizer is not None else 0)
+    out['total'] = out['params'] + out['grads'] + out['optimizer']
+    return out
+
+
+def summary(values: Iterable[float]) -> Dict[str, float]:
+    """Median, min, max and count of ``values``."""
+    values = list(values)
+    if not values:
+        raise ValueError('summary of no values')
+    return dict(median=statistics.median(values), min=min(values), max=max(values),
+                n=len(values))

@@ -1,0 +1,134 @@
+"""The prose of the report: method notes, and explanations of the goals that fail.
+
+Explanations are tied to the verdicts they explain, so a regenerated report
+never explains a failure that no longer happens.
+"""
+from typing import Any, List
+
+__all__ = ['checkpoint', 'failures', 'method']
+
+MIB = 2**20
+
+
+def failures(res: Any) -> List[str]:
+    """One paragraph per failing goal: cause, and the fix where it is ours."""
+    from .report import goals
+    failed = [g for g in goals(res) if g[3] is False]
+    if not failed:
+        return ['All goals pass.', '']
+    lines = ['### Why goals fail', '']
+    for goal, _, measured, _ in failed:
+        lines.append(f'- **{goal}** ({measured}): {_explain(goal, res)}')
+    return lines + ['']
+
+
+def _explain(goal: str, res: Any) -> str:
+    if goal.startswith('Peak per rank'):
+        n = int(goal.rsplit('N = ', 1)[1])
+        model = goal.split(', ')[2]
+        fsdp = res.one('memory', model=model, strategy='FSDP1 FULL_SHARD', world_size=n)
+        ddp = res.one('memory', model=model, strategy='DDP', world_size=n)
+        f_extra = fsdp['peak_bytes']['median'] - fsdp['model_state_bytes']['max']
+        d_extra = ddp['peak_bytes']['median'] - ddp['model_state_bytes']['max']
+        f_state, d_state = fsdp['model_state_bytes']['max'], ddp['model_state_bytes']['max']
+        return (f'model states alone are at the bound ({f_state / MIB:,.0f} vs '
+                f'{d_state / MIB:,.0f} MiB), but the peak adds what is '
+                f'not sharded: {f_extra / MIB:,.0f} MiB above the model state for FSDP '
+                '(activations, two gathered units, the unsharded gradients of the unit being '
+                f'reduced) and {d_extra / MIB:,.0f} MiB for DDP. A constant added to both sides '
+                'pushes the ratio towards 1; it falls towards the model-state ratio as the model '
+                'grows relative to one unit and the batch.')
+    if goal.startswith('Wrapper overhead'):
+        return ('the ratio compares two arms timed in the same processes, alternating every '
+                'round; see section 4 for the spread and the Method notes on noise.')
+    if goal.startswith('Construction peak'):
+        return ('see section 7: the peak above the shard is what materialising and '
+                'initialising the shards allocates besides them.')
+    if 'communication' in goal:
+        return 'see section 3 for the collectives issued per step.'
+    return 'see the section of this measurement.'
+
+
+def checkpoint(res: Any) -> List[str]:
+    """What the checkpoint numbers mean."""
+    rows = {r['type']: r for r in res.of('checkpoint')}
+    if not rows:
+        return []
+    r0 = next(iter(rows.values()))
+    state = 12 * r0['params']  # parameters + two AdamW moments, fp32
+    lines = [f'The full model + optimizer state is {state / MIB:,.0f} MiB (12 bytes per '
+             'parameter: weights and two AdamW moments).']
+    full, sharded = rows.get('full'), rows.get('sharded')
+    if full:
+        lines.append(f'Saving a full checkpoint raised rank 0\'s peak by '
+                     f'{full["rank0_peak_save_bytes"] / state:.2f}× that state (the state '
+                     'gathered for writing; on CPU every rank gathers, because FSDP1\'s '
+                     'offload-to-rank-0 path crashes on CPU tensors in torch 2.13, while on '
+                     'accelerators the gather is offloaded to rank 0\'s CPU memory), and resuming '
+                     f'it by {full["rank0_peak_load_bytes"] / state:.2f}× (every rank reads the '
+                     'whole file before taking its shards).')
+    if sharded:
+        lines.append(f'A sharded save raised it by {sharded["rank0_peak_save_bytes"] / state:.2f}× '
+                     '(each rank writes its own shards) and a sharded resume by '
+                     f'{sharded["rank0_peak_load_bytes"] / state:.2f}× (a sharded template is '
+                     'filled from the overlapping pieces of the files).')
+    return [' '.join(lines)]
+
+
+def _warm_up(res: Any) -> str:
+    sizes = [b for r in res.of('memory') for b in r.get('warm_up_bytes', [])]
+    sizes += [r['warm_up_bytes'] for r in res.of('construction')]
+    sizes = [b for b in sizes if b > 0]
+    if not sizes:
+        return ''
+    return (f'It grew the resident set by {min(sizes) / MIB:,.0f}–{max(sizes) / MIB:,.0f} MiB '
+            'per rank; without it, that would be counted in every peak.')
+
+
+def method(res: Any) -> List[str]:
+    """How everything was measured."""
+    return [
+        '## Method', '',
+        '- **Jobs**: `python -m benchmarks.run` starts one `python -m torch.distributed.run '
+        '--standalone --nproc-per-node N -m benchmarks.worker` job per measurement (gloo, '
+        'CPU); each rank uses `cores / N` intra-op threads (at least one: at N = 4 two ranks '
+        'share a core, so step times at N = 4 are not speed-ups).',
+        '- **Memory**: `VmRSS` / `VmHWM` from `/proc/self/status`; writing `5` to '
+        '`/proc/self/clear_refs` resets the high-water mark, so every training step gets its '
+        'own peak inside one process. The baseline is the resident set after imports and '
+        'process-group start, before the model is built. Jobs that measure memory run with '
+        '`MALLOC_MMAP_THRESHOLD_=1048576`: glibc then serves every allocation above 1 MiB '
+        '(every parameter-sized tensor) with `mmap` and returns it to the system when it is '
+        'freed, so the resident set follows live tensors. By default glibc raises that '
+        'threshold up to 32 MiB after the first large free, and freed heap memory often stays '
+        'resident: the peak of a step would then depend on what earlier phases '
+        '(construction, the first step) left in the heap. Timing jobs use the default.',
+        '- **Warm-up**: before its baseline, every memory and construction job trains the '
+        'tiny GPT for one step under the same wrapper, so that what does not depend on the '
+        "model is already resident: modules mmengine and torch import lazily (the runner's "
+        'visualizer, FSDP, DTensor, optimizer helpers), runner scaffolding, gloo buffers. '
+        f'{_warm_up(res)}',
+        '- **Model state** is counted from tensor storages (not from `numel`): FSDP1 '
+        '`use_orig_params` views count their padded flat shard once, DDP gradients count '
+        'their bucket storage, FSDP2 DTensors their padded local shard.',
+        '- **Communication**: every collective that torch.distributed issues from Python '
+        '(FSDP1 and FSDP2 do) ends in a method of `ProcessGroup`; the counter wraps those '
+        'methods on the class for the duration of the job. DDP\'s reducer calls its process '
+        'group from C++, so the memory/communication jobs register DDP\'s own default '
+        '`allreduce_hook` as its comm hook: the same bucket all-reduce, issued through '
+        '`dist.all_reduce`, hence counted. "Bytes per rank" is the send volume of the '
+        'bandwidth-optimal ring algorithm computed from the tensor sizes: all-gather (N−1)·'
+        'shard, reduce-scatter (N−1)·shard, all-reduce 2(N−1)/N·size. It is not sniffed from '
+        'the wire; gloo may use other algorithms with other volumes. Padding is included '
+        '(FSDP1 pads each flat parameter, FSDP2 each parameter\'s dim 0, to a multiple of N).',
+        '- **Theory**: P is the number of distinct parameters (the tied embedding counts '
+        'once), b = 4. FULL_SHARD all-gathers every unit in forward and again in backward and '
+        'reduce-scatters the gradients: 3(N−1)/N·P·b; SHARD_GRAD_OP and FSDP2 without '
+        'resharding skip the backward all-gather: 2(N−1)/N·P·b; DDP and NO_SHARD all-reduce '
+        'the gradients: 2(N−1)/N·P·b. Both FSDP versions keep the root unit gathered between '
+        'forward and backward, which saves its backward all-gather.',
+        '- **Wrapper overhead**: see section 4. The goal is a property of the median; single '
+        'rounds on a shared 2-core machine vary by several percent in both directions.',
+        '- **Not measured**: accelerators (NCCL), mixed precision, activation checkpointing, '
+        'multi-node (HYBRID_SHARD), and models larger than what 24 GiB holds at N = 4.',
+        '']

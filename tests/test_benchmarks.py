@@ -1,0 +1,100 @@
+"""Smoke test of the benchmark harness (benchmarks/): structure and exact counts, no timings.
+
+Runs ``python -m benchmarks.run --smoke``: the tiny GPT at world sizes 1 and 2,
+two steps, every kind of measurement, cases packed into one torchrun job per
+world size; then checks the results file, the report and the plots. Only
+quantities that are exact by construction are compared with theory (storage
+bytes, collective sizes); nothing about speed is asserted.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STRATEGIES = ['DDP', 'FSDP1 FULL_SHARD', 'FSDP1 SHARD_GRAD_OP', 'FSDP1 NO_SHARD',
+              'FSDP2 reshard', 'FSDP2 no-reshard']
+SUMMARY = {'median', 'min', 'max', 'n'}
+
+
+@pytest.fixture(scope='module')
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    subprocess.run([sys.executable, '-m', 'benchmarks.run', '--smoke', '--out',
+                    str(out / 'results.json'), '--report', str(out / 'report.md'),
+                    '--img-dir', str(out / 'img')], cwd=REPO, check=True, timeout=180,
+                   capture_output=True, text=True)
+    with open(out / 'results.json') as f:
+        return out, json.load(f)
+
+
+def _of(data, kind, **match):
+    return [r for r in data['results'] if r['kind'] == kind
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def _summary(s, n=None):
+    assert set(s) == SUMMARY
+    assert s['min'] <= s['median'] <= s['max']
+    if n is not None:
+        assert s['n'] == n
+
+
+def test_memory_results(smoke):
+    _, data = smoke
+    assert data['mode'] == 'smoke' and data['machine']['cores'] >= 1
+    assert {(r['strategy'], r['world_size']) for r in _of(data, 'memory')} == \
+        {('DDP', 1)} | {(s, 2) for s in STRATEGIES}
+    for r in _of(data, 'memory'):
+        for key in ('model_state_bytes', 'peak_bytes', 'comm_send_bytes', 'step_time_s'):
+            _summary(r[key], r['steps'])
+        assert r['steps'] == 2 and r['loss_finite'] and r['exact_allocator']
+        assert len(r['model_state_parts']) == r['world_size']
+        assert r['peak_bytes']['min'] > 0
+        # Storage counting is exact: within padding of the ZeRO bound (SHARD_GRAD_OP and FSDP2
+        # without resharding hold sharded parameters between steps, below their ZeRO-2 bound).
+        state, bound = r['model_state_bytes']['max'], r['theory']['model_state_bytes']
+        assert 0.75 * bound <= state <= 1.05 * bound, r['strategy']
+        if r['world_size'] == 1:
+            assert r['comm_send_bytes']['max'] == 0
+        else:  # collective sizes are exact too: at most padding above theory
+            ratio = r['comm_send_bytes']['max'] / r['theory']['comm_bytes']
+            assert 0.85 <= ratio <= 1.05, r['strategy']
+    ddp = _of(data, 'memory', strategy='DDP', world_size=2)[0]
+    assert set(ddp['comm_by_op']) == {'allreduce'}  # DDP's buckets were counted
+    plan = _of(data, 'memory', strategy='FSDP1 FULL_SHARD')[0]['plan']
+    assert plan['available'] and plan['model_state_bytes'] > 0
+
+
+def test_other_results(smoke):
+    _, data = smoke
+    overhead = {r['wrapper']: r for r in _of(data, 'overhead')}
+    assert set(overhead) == {'fsdp1', 'fsdp2', 'ddp'}
+    for wrapper, r in overhead.items():
+        _summary(r['ratio'], r['steps'])
+        assert set(r['step_time_s']) == {'mmfsdp', f'torch-{wrapper}'} | (
+            {'torch-fsdp1'} if wrapper == 'fsdp2' else set())
+    _summary(overhead['fsdp2']['fsdp2_over_fsdp1'], overhead['fsdp2']['steps'])
+    construction = {r['init']: r for r in _of(data, 'construction')}
+    assert set(construction) == {'eager', 'meta'}
+    for r in construction.values():
+        assert r['peak_bytes'] >= 0 and r['warm_up_bytes'] > 0
+        assert r['goal_bytes'] == r['shard_bytes'] + 2 * r['largest_unit_bytes']
+    checkpoint = {r['type']: r for r in _of(data, 'checkpoint')}
+    assert set(checkpoint) == {'full', 'sharded'}
+    for r in checkpoint.values():
+        assert r['bytes'] > 12 * r['params']  # weights + two AdamW moments, fp32
+        _summary(r['save_s'], 1)
+
+
+def test_report(smoke):
+    out, _ = smoke
+    text = (out / 'report.md').read_text()
+    for heading in ('## Goals', '## 1. Model-state', '## 2. Peak', '## 3. Communication',
+                    '## 4. Wrapper overhead', '## 5. FSDP2 vs FSDP1', '## 6. Checkpoint',
+                    '## 7. Construction', '## Method'):
+        assert heading in text
+    assert sorted(os.listdir(out / 'img')) == ['memory_gpt-tiny.png', 'overhead.png']
+    assert (out / 'img' / 'overhead.png').read_bytes()[:4] == b'\x89PNG'
