@@ -41,6 +41,6 @@ setup(
     package_data={'mmfsdp': MIM_FILES},
     python_requires='>=3.9',
     install_requires=requirements(),
-    extras_require={'tests': ['pytest', 'ruff']},
+    extras_require={'tests': ['pytest', 'ruff'], 'benchmarks': ['matplotlib']},
     license='Apache-2.0',
 )
