@@ -1,7 +1,7 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
-from mmengine.dist import is_distributed
+from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
@@ -13,6 +13,7 @@ from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
 from .meta_init import build_on_meta, wants_meta_init
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
+from .plan import format_plan, plan_for, plan_warnings
 from .registry import RUNNERS
 from .wrappers import MMDistributedDataParallel
 from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
@@ -125,6 +126,7 @@ class FSDPRunner(CheckpointMixin, Runner):
             self._bind_optim_wrapper()  # wrapped before the optim wrapper existed (meta init)
             return
         model = self.model
+        self._log_sharding_plan(model)
         names = {id(p): n for n, p in model.named_parameters()}
         if self.cfg.get('sync_bn') is not None:
             model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
@@ -137,6 +139,17 @@ class FSDPRunner(CheckpointMixin, Runner):
         if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
             retarget_parameters(self.optim_wrapper, names, self.model)
         self._bind_optim_wrapper()
+
+    def _log_sharding_plan(self, model: nn.Module) -> None:
+        """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
+        if not is_main_process() or not hasattr(self._wrapper_cls, 'sharding_spec'):
+            return
+        optimizer = (self.cfg.get('optim_wrapper') or {}).get('optimizer')
+        plan = plan_for(self._wrapper_cls, self._wrapper_cfg, model, self.world_size,
+                        optimizer if isinstance(optimizer, Mapping) else None)
+        self.logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
+        for warning in plan_warnings(plan):
+            self.logger.warning(f'Sharding plan: {warning}')
 
     def _bind_optim_wrapper(self) -> None:
         """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""

@@ -1,4 +1,5 @@
 """The sharding plan: exact bytes per rank before launch, checked against a real run."""
+import glob
 import json
 import os
 import subprocess
@@ -8,10 +9,11 @@ import pytest
 import torch
 from mmengine.config import Config
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness import run_distributed
-from mmfsdp.plan import format_plan, plan_for, plan_to_dict
-from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
+from mmfsdp.plan import Padding, format_plan, plan_for, plan_to_dict
+from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 from toy import ToyClassifier, runner_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +25,7 @@ WRAPPERS = {
     'fsdp/full_shard': (MMFullyShardedDataParallel, dict(type=FSDP, auto_wrap_policy=BLOCKS)),
     'fsdp/shard_grad_op': (MMFullyShardedDataParallel, dict(
         type=FSDP, auto_wrap_policy=BLOCKS, sharding_strategy='SHARD_GRAD_OP')),
+    'fsdp2': (MMFullyShard, dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS)),
     'ddp': (MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel')),
 }
 
@@ -39,7 +42,11 @@ def _held_bytes(runner) -> dict:
         data = model.module.data_preprocessor(next(iter(runner.train_dataloader)), True)
         loss = model(**data, mode='loss')['loss']
     loss.backward()
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+
+    def size(t: torch.Tensor) -> int:  # a DTensor's numel is global: count the local shard
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
     return dict(
         params=sum(size(p) for p in model.parameters()),
         grads=sum(size(p.grad) for p in model.parameters() if p.grad is not None),
@@ -53,9 +60,12 @@ def _truth(root: str) -> dict:
     for name, (_, wrapper) in WRAPPERS.items():
         cfg = runner_config(name.replace('/', '-'), f'{root}/{name}', wrapper=wrapper,
                             batch_size=4, max_iters=1, optim_wrapper=dict(optimizer=ADAMW))
+        cfg['log_level'] = 'INFO'
         runner = FSDPRunner.from_cfg(Config(cfg))
         runner.train()
         out[name] = _held_bytes(runner)
+        logs = glob.glob(f'{root}/{name}/*/*.log')
+        out[name]['log'] = open(logs[0]).read() if logs else ''
     return out
 
 
@@ -71,14 +81,25 @@ def test_plan_equals_bytes_held_after_a_step_up_to_padding(held, name):
     planned = dict(params=sum(u.param_bytes for u in plan.units),
                    grads=sum(u.grad_bytes for u in plan.units),
                    optimizer=sum(u.optimizer_bytes for u in plan.units))
-    # padding: under a flat shard, at most (world size - 1) elements per unit, per state
-    slack = len(plan.units) * (plan.spec.shard_size - 1) * 4
+    # padding: at most (shard size - 1) elements per flat unit, or rows per parameter (dim 0)
+    extra = plan.spec.shard_size - 1
+    if plan.spec.padding is Padding.DIM0:
+        slack = sum(extra * p.numel() // p.shape[0] for p in _meta_toy().parameters()) * 4
+    else:
+        slack = len(plan.units) * extra * 4
     for rank in held:
         for kind in ('params', 'grads', 'optimizer'):
             per_state = 2 if kind == 'optimizer' else 1
             print(f'{name} {kind}: plan {planned[kind]} B, held {rank[name][kind]} B')
             assert 0 <= planned[kind] - rank[name][kind] <= slack * per_state
     assert sum(planned.values()) == plan.model_state_bytes_per_rank
+
+
+def test_rank_0_logs_the_plan_when_the_wrapper_is_built(held):
+    log = held[0]['fsdp/full_shard']['log']
+    assert 'Sharding plan:' in log and 'mmfsdp.MMFullyShardedDataParallel FULL_SHARD' in log
+    assert 'blocks.0' in log and 'ToyBlock' in log
+    assert 'left in the root unit: embed, norm, head' in log
 
 
 def test_plan_of_the_demo_gpt_counts_every_parameter_once():

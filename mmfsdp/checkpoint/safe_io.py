@@ -37,7 +37,9 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 def load_file(path: str, allow_unsafe: bool = False) -> Any:
     """``torch.load`` to the CPU with ``weights_only=True``, unless the user opted out."""
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        # mmap: tensors are paged in as they are read, so taking one shard of a
+        # large full checkpoint does not hold the whole file in memory first.
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         if not allow_unsafe:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

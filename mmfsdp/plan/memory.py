@@ -60,6 +60,8 @@ class Plan:
     shared: Tuple[Tuple[str, ...], ...] = field(default=())
     numel: int = 0
     unsharded_bytes: int = 0
+    #: Modules whose parameters no unit claims (they stay in the root unit).
+    root_modules: Tuple[str, ...] = field(default=())
 
     @property
     def model_state_bytes_per_rank(self) -> int:
@@ -137,7 +139,11 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     shared = tuple(tuple(ns) for ns in names.values() if len(ns) > 1)
+    root_ids = {id(p) for p in grouped['']}
+    root_modules = tuple(dict.fromkeys(
+        n.rsplit('.', 1)[0] if '.' in n else '(root)'
+        for n, p in model.named_parameters() if id(p) in root_ids))
     total = sum(u.numel for u in units)
     elem = next(model.parameters()).element_size() if total else 4
     return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
-                unsharded_bytes=total * elem * (2 + optimizer_states))
+                unsharded_bytes=total * elem * (2 + optimizer_states), root_modules=root_modules)

@@ -53,6 +53,7 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
         model_state_bytes_per_rank=plan.model_state_bytes_per_rank,
         peak_bytes_per_rank_estimate=plan.peak_bytes_per_rank_estimate,
         largest_unit=plan.largest_unit.name or '(root)',
+        root_modules=list(plan.root_modules),
         shared_parameters=[list(group) for group in plan.shared],
         warnings=plan_warnings(plan),
         units=[dict(name=u.name or '(root)', cls=u.cls, numel=u.numel, param_bytes=u.param_bytes,
@@ -60,7 +61,7 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
                     gathered_bytes=u.gathered_bytes) for u in plan.units])
 
 
-def format_plan(plan: Plan, max_rows: int = 40) -> str:
+def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> str:
     """One compact table: units in module order, totals, the unsharded equivalent."""
     spec = plan.spec
     lines = [f'{spec.wrapper} {spec.strategy}, world size {plan.world_size} '
@@ -79,7 +80,8 @@ def format_plan(plan: Plan, max_rows: int = 40) -> str:
                      f'{_size(u.param_bytes):>11} {_size(u.grad_bytes):>11} '
                      f'{_size(u.optimizer_bytes):>11}')
     lines.append('-' * len(header))
-    lines.append(f"{'total per rank':<53} {_size(sum(u.param_bytes for u in rows)):>20} "
+    lines.append(f"{'total per rank':<32} {'':<20} {_count(plan.numel):>8} "
+                 f'{_size(sum(u.param_bytes for u in rows)):>11} '
                  f'{_size(sum(u.grad_bytes for u in rows)):>11} '
                  f'{_size(sum(u.optimizer_bytes for u in rows)):>11}')
     lines.append(f'model states per rank {_size(plan.model_state_bytes_per_rank)} '
@@ -88,8 +90,14 @@ def format_plan(plan: Plan, max_rows: int = 40) -> str:
                  f'{_size(plan.largest_unit.gathered_bytes)}; peak estimate '
                  f'{_size(plan.peak_bytes_per_rank_estimate)} per rank (activations not '
                  'included)')
+    if plan.spec.units and plan.root_modules:
+        shown_modules = ', '.join(plan.root_modules[:12])
+        more = len(plan.root_modules) - 12
+        lines.append(f'left in the root unit: {shown_modules}' +
+                     (f' and {more} more' if more > 0 else ''))
     if plan.shared:
         lines.append('shared parameters (one tensor, one unit): ' +
                      '; '.join(' = '.join(group) for group in plan.shared))
-    lines += [f'warning: {w}' for w in plan_warnings(plan)]
+    if with_warnings:
+        lines += [f'warning: {w}' for w in plan_warnings(plan)]
     return '\n'.join(lines)
