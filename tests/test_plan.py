@@ -143,11 +143,13 @@ def test_a_plan_with_too_many_units_warns():
 @pytest.mark.parametrize('config', sorted(
     f for f in os.listdir(os.path.join(REPO, 'configs')) if f.endswith('.py')))
 def test_dry_run_prints_the_plan_of_every_example_config(config):
+    # a fixed replicate x shard mesh fits one world size only
+    sizes = ['4'] if 'hsdp_2x2' in config else ['1', '8', '64']
     out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', f'configs/{config}',
-                          '--world-size', '1', '8', '64', '--format', 'json'],
+                          '--world-size', *sizes, '--format', 'json'],
                          cwd=REPO, check=True, capture_output=True, text=True).stdout
     plans = json.loads(out)
-    assert [p['world_size'] for p in plans] == [1, 8, 64]
+    assert [p['world_size'] for p in plans] == [int(n) for n in sizes]
     for plan in plans:
         assert {'model_state_bytes_per_rank', 'peak_bytes_per_rank_estimate', 'units'} <= set(plan)
         assert plan['peak_bytes_per_rank_estimate'] >= plan['model_state_bytes_per_rank']
