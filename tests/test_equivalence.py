@@ -13,7 +13,7 @@ from mmengine.config import Config
 from mmengine.runner import Runner
 
 from harness import run_distributed
-from toy import runner_config
+from toy import runner_config, saved_activation_bytes
 
 TOL = 2e-5
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
@@ -91,30 +91,9 @@ def _full_state(model) -> dict:
     return {k: v.detach().clone().float() for k, v in state.items()}
 
 
-def _saved_activation_bytes(checkpoint: bool) -> int:
-    """Bytes autograd keeps for backward in one forward of a wrapped toy model."""
-    from mmfsdp import MMFullyShardedDataParallel
-    from toy import ToyClassifier
-    torch.manual_seed(0)
-    cfg = dict(auto_wrap_policy=BLOCKS)
-    if checkpoint:
-        cfg['activation_checkpointing'] = dict(layer_cls=['ToyBlock'])
-    model = MMFullyShardedDataParallel(ToyClassifier(dim=64, depth=4), **cfg)
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(torch.randn(32, 6), torch.zeros(32, dtype=torch.long), mode='loss')['loss']
-    loss.backward()
-    return sum(saved)
-
-
 def _train_all(work_root: str) -> dict:
     import mmfsdp  # noqa: F401  (registers the 'mmfsdp.' names)
-    from mmfsdp import FSDPRunner
+    from mmfsdp import FSDPRunner, MMFullyShardedDataParallel
     results = {}
     for name, (wrapper, optim, extra) in SCENARIOS.items():
         cfg = runner_config(name.replace('/', '-'), f'{work_root}/{name}', wrapper=wrapper,
@@ -136,8 +115,9 @@ def _train_all(work_root: str) -> dict:
     runner.train()
     results['bf16'] = dict(loss=_history(runner, 'train/loss'),
                            dtypes=sorted({str(p.dtype) for p in runner.model.parameters()}))
-    results['activation_bytes'] = dict(plain=_saved_activation_bytes(False),
-                                       checkpointed=_saved_activation_bytes(True))
+    results['activation_bytes'] = {
+        name: saved_activation_bytes(MMFullyShardedDataParallel, checkpoint)
+        for name, checkpoint in (('plain', False), ('checkpointed', True))}
     return results if torch.distributed.get_rank() == 0 else None
 
 

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils.data import Dataset
 
 from harness import run_distributed
-from toy import ToyClassifier, runner_config
+from toy import ToyClassifier, runner_config, saved_activation_bytes
 
 FS = 'mmfsdp.MMFullyShard'
 FSDP1 = 'mmfsdp.MMFullyShardedDataParallel'
@@ -223,26 +223,6 @@ def _train_ckpt(root: str, run: str, wrapper: dict, world_size: int, **kwargs) -
     return _full_state(runner, optimizer=True)
 
 
-def _saved_activation_bytes(checkpoint: bool) -> int:
-    """Bytes autograd keeps for backward in one forward of a sharded toy model."""
-    from mmfsdp import MMFullyShard
-    torch.manual_seed(0)
-    cfg = dict(auto_wrap_policy=BLOCKS)
-    if checkpoint:
-        cfg['activation_checkpointing'] = dict(layer_cls=['ToyBlock'])
-    model = MMFullyShard(ToyClassifier(dim=64, depth=4), **cfg)
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(torch.randn(32, 6), torch.zeros(32, dtype=torch.long), mode='loss')['loss']
-    loss.backward()
-    return sum(saved)
-
-
 def _meta_buffers(root: str) -> dict:
     """Buffers under meta init: restored, lost, and the data preprocessor's."""
     from mmfsdp import FSDPRunner, MMFullyShard
@@ -275,7 +255,7 @@ def _local_shards(runner, name: str) -> list:
 
 def _two_ranks(root: str) -> dict:
     import mmfsdp  # noqa: F401  (registers the 'mmfsdp.' names)
-    from mmfsdp import FSDPRunner
+    from mmfsdp import FSDPRunner, MMFullyShard
     out = {}
     for name, (wrapper, optim, extra) in SCENARIOS.items():
         cfg = runner_config(name, f'{root}/{name}', wrapper=wrapper, batch_size=4,
@@ -312,8 +292,9 @@ def _two_ranks(root: str) -> dict:
                                   max_iters=BF16_ITERS))
     out['bf16'] = dict(loss=_history(runner, 'train/loss'),
                        dtypes=sorted({str(p.dtype) for p in runner.model.parameters()}))
-    out['activation_bytes'] = dict(plain=_saved_activation_bytes(False),
-                                   checkpointed=_saved_activation_bytes(True))
+    out['activation_bytes'] = {
+        name: saved_activation_bytes(MMFullyShard, checkpoint)
+        for name, checkpoint in (('plain', False), ('checkpointed', True))}
 
     # Checkpoints: FSDP2 full and sharded, resumed at 2 ranks; FSDP1 <-> FSDP2.
     for kind in ('full', 'sharded'):

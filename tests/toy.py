@@ -126,3 +126,27 @@ def runner_config(name: str, work_dir: str, *, batch_size: int, max_iters: int =
     if wrapper is not None:
         cfg.update(runner_type='mmfsdp.FSDPRunner', model_wrapper_cfg=wrapper)
     return copy.deepcopy(cfg)
+
+
+def saved_activation_bytes(wrapper_cls: type, checkpoint: bool) -> int:
+    """Bytes autograd keeps for backward in one forward of a wrapped toy model.
+
+    ``wrapper_cls`` is an mmfsdp sharded wrapper; with ``checkpoint`` its
+    ``ToyBlock`` layers are activation-checkpointed. Needs a process group.
+    """
+    torch.manual_seed(0)
+    cfg = dict(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+    if checkpoint:
+        cfg['activation_checkpointing'] = dict(layer_cls=['ToyBlock'])
+    model = wrapper_cls(ToyClassifier(dim=64, depth=4), **cfg)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(torch.randn(32, IN_DIM), torch.zeros(32, dtype=torch.long),
+                     mode='loss')['loss']
+    loss.backward()
+    return sum(saved)
