@@ -109,7 +109,9 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
                   batch_size=case['batch_size'], seq_len=case['seq_len'],
                   warmup=case['warmup'], steps=case['steps'],
                   step_time_s={name: summary(t) for name, t in times.items()},
-                  ratio=_ratios(times['mmfsdp'], times[f'torch-{kind}']))
+                  ratio=_ratios(times['mmfsdp'], times[f'torch-{kind}']),
+                  extra_s=summary(a - b for a, b in zip(times['mmfsdp'],
+                                                        times[f'torch-{kind}'])))
     if 'torch-fsdp1' in times and kind == 'fsdp2':
         result['fsdp2_over_fsdp1'] = _ratios(times['torch-fsdp2'], times['torch-fsdp1'])
     return result

@@ -39,7 +39,7 @@ class Suite:
     models: List[str]
     world_sizes: List[int]
     #: Per model, the world sizes at which every strategy runs; elsewhere only DDP
-    #: (at N = 1 the FSDP strategies do not shard, so they only cost time).
+    #: (at N = 1 FSDP does not shard: FSDP1 falls back to NO_SHARD; they only cost time).
     all_strategies_at: Dict[str, List[int]]
     memory_batch: int = 2
     memory_seq: int = 64
@@ -48,8 +48,8 @@ class Suite:
     overhead_model: str = 'gpt-25m'
     overhead_world_size: int = 2
     overhead_batch: int = 2
-    overhead_seq: int = 128
-    overhead_warmup: int = 3
+    overhead_seq: int = 64
+    overhead_warmup: int = 2
     overhead_steps: int = 20
     construction_model: str = 'gpt-100m'
     construction_world_sizes: List[int] = field(default_factory=lambda: [2, 4])
@@ -64,7 +64,7 @@ class Suite:
 
 SUITES: Dict[str, Suite] = dict(
     full=Suite(models=['gpt-25m', 'gpt-100m'], world_sizes=[1, 2, 4],
-               all_strategies_at={'gpt-25m': [1, 2, 4], 'gpt-100m': [2, 4]},
+               all_strategies_at={'gpt-25m': [2, 4], 'gpt-100m': [2, 4]},
                checkpoint_model='gpt-25m'),
     quick=Suite(models=['gpt-7m'], world_sizes=[1, 2], all_strategies_at={'gpt-7m': [2]},
                 memory_steps=2, overhead_model='gpt-7m', overhead_warmup=2, overhead_steps=10,

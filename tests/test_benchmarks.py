@@ -74,13 +74,14 @@ def test_other_results(smoke):
     assert set(overhead) == {'fsdp1', 'fsdp2', 'ddp'}
     for wrapper, r in overhead.items():
         _summary(r['ratio'], r['steps'])
+        _summary(r['extra_s'], r['steps'])
         assert set(r['step_time_s']) == {'mmfsdp', f'torch-{wrapper}'} | (
             {'torch-fsdp1'} if wrapper == 'fsdp2' else set())
     _summary(overhead['fsdp2']['fsdp2_over_fsdp1'], overhead['fsdp2']['steps'])
     construction = {r['init']: r for r in _of(data, 'construction')}
     assert set(construction) == {'eager', 'meta'}
     for r in construction.values():
-        assert r['peak_bytes'] >= 0 and r['warm_up_bytes'] > 0
+        assert r['peak_bytes'] >= 0 and isinstance(r['warm_up_bytes'], int)
         assert r['goal_bytes'] == r['shard_bytes'] + 2 * r['largest_unit_bytes']
     checkpoint = {r['type']: r for r in _of(data, 'checkpoint')}
     assert set(checkpoint) == {'full', 'sharded'}
