@@ -334,6 +334,7 @@ def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -
     lines += _fsdp2_lines(res)
     lines += _checkpoint_lines(res)
     lines += _construction_lines(res)
+    lines += notes.observations(res)
     lines += notes.method(res)
     return '\n'.join(lines).rstrip() + '\n'
 
