@@ -6,8 +6,8 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Type, TypeVar, Union
 import torch
 from torch import nn
 
-__all__ = ['check_keys', 'resolve_dtype', 'resolve_enum', 'resolve_flag',
-           'resolve_module_classes', 'suggest']
+__all__ = ['check_keys', 'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum',
+           'resolve_flag', 'resolve_module_classes', 'suggest']
 
 E = TypeVar('E', bound=enum.Enum)
 
@@ -126,3 +126,11 @@ def resolve_module_classes(value: Any, model: nn.Module, key: str) -> Tuple[Type
         else:
             raise TypeError(f'{key}: expected nn.Module classes or class names, got {item!r}')
     return tuple(classes)
+
+
+def resolve_dtypes_and_flags(value: Mapping[str, Any], dtypes: Tuple[str, ...],
+                             flags: Tuple[str, ...], key: str) -> dict:
+    """Resolve a dict whose keys are dtype options or ``bool`` options (mixed precision)."""
+    check_keys(value, dtypes + flags, key)
+    return {name: resolve_dtype(item, f'{key}.{name}') if name in dtypes else
+            resolve_flag(item, f'{key}.{name}') for name, item in value.items()}

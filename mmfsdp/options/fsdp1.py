@@ -3,7 +3,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
-from .common import check_keys, resolve_dtype, resolve_enum, resolve_flag
+from .common import check_keys, resolve_dtypes_and_flags, resolve_enum, resolve_flag
 
 __all__ = ['resolve_backward_prefetch', 'resolve_cpu_offload', 'resolve_mixed_precision',
            'resolve_sharding_strategy']
@@ -44,14 +44,8 @@ def resolve_mixed_precision(
     if not isinstance(value, Mapping):
         raise TypeError('mixed_precision: expected a dict, a MixedPrecision or None, '
                         f'got {type(value).__name__} {value!r}')
-    check_keys(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS, 'mixed_precision')
-    resolved = {}
-    for name, item in value.items():
-        if name in _FSDP1_MP_DTYPES:
-            resolved[name] = resolve_dtype(item, f'mixed_precision.{name}')
-        else:
-            resolved[name] = resolve_flag(item, f'mixed_precision.{name}')
-    return MixedPrecision(**resolved)
+    return MixedPrecision(**resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS,
+                                                     'mixed_precision'))
 
 
 def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:

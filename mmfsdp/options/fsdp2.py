@@ -10,7 +10,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from .common import check_keys, resolve_dtype, resolve_flag, suggest
+from .common import check_keys, resolve_dtypes_and_flags, resolve_flag, suggest
 from .fsdp1 import resolve_sharding_strategy
 
 __all__ = ['FSDP1_ONLY_OPTIONS', 'MeshSpec', 'NODE', 'reject_fsdp1_options', 'resolve_init_device',
@@ -83,14 +83,8 @@ def resolve_mp_policy(
         if name in value:
             raise TypeError(f'mixed_precision: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
-    check_keys(value, _FSDP2_MP_DTYPES + _FSDP2_MP_FLAGS, 'mixed_precision')
-    resolved = {}
-    for name, item in value.items():
-        if name in _FSDP2_MP_DTYPES:
-            resolved[name] = resolve_dtype(item, f'mixed_precision.{name}')
-        else:
-            resolved[name] = resolve_flag(item, f'mixed_precision.{name}')
-    return MixedPrecisionPolicy(**resolved)
+    return MixedPrecisionPolicy(**resolve_dtypes_and_flags(
+        value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, 'mixed_precision'))
 
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
