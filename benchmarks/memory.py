@@ -124,7 +124,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return dict(
         kind='memory', name=case['name'], model=case['model'], params=params,
         strategy=case['strategy'], world_size=world, batch_size=case['batch_size'],
-        seq_len=case['seq_len'], steps=len(records),
+        seq_len=case['seq_len'], warmup=case['warmup'], steps=len(records),
         model_state_bytes=summary(state),
         model_state_parts=[out['records'][-1]['state'] for out in gathered],
         peak_bytes=summary(peak),

@@ -39,8 +39,22 @@ def _explain(goal: str, res: Any) -> str:
                 'pushes the ratio towards 1; it falls towards the model-state ratio as the model '
                 'grows relative to one unit and the batch.')
     if goal.startswith('Wrapper overhead'):
-        return ('the ratio compares two arms timed in the same processes, alternating every '
-                'round; see section 4 for the spread and the Method notes on noise.')
+        label = goal.split(', ')[1].split(' ')[0].lower()
+        r = res.one('overhead', wrapper=label)
+        if not r or 'extra_s' not in r:
+            return 'see section 4.'
+        extra = r['extra_s']
+        text = (f'mmfsdp took {extra["median"] * 1000:+.0f} ms per step (median; '
+                f'{extra["min"] * 1000:+.0f} to {extra["max"] * 1000:+.0f} ms over '
+                f'{r["steps"]} rounds) on a hand-written step of '
+                f'{r["step_time_s"][f"torch-{label}"]["median"] * 1000:.0f} ms. What the runner '
+                'adds per iteration is Python work of a roughly fixed size (its hooks, the '
+                'message hub, the data preprocessor, `OptimWrapper`): the smaller the model, '
+                'the larger its share')
+        if extra['median'] < 0.25 * (extra['max'] - extra['min']):
+            text += ('; here the median difference is small against the spread of single rounds '
+                     'on a shared 2-core machine, so more rounds are needed to tell it from noise')
+        return text + '.'
     if goal.startswith('Construction peak'):
         return ('see section 7: the peak above the shard is what materialising and '
                 'initialising the shards allocates besides them.')

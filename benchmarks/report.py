@@ -256,8 +256,11 @@ def _header(res: Results) -> List[str]:
         f'Python {m["python"]}, torch {v.get("torch")}, mmengine {v.get("mmengine")}, '
         f'mmfsdp {v.get("mmfsdp")} (commit {m.get("commit")}); CPU + gloo. '
         f'{len(data.get("jobs", []))} torchrun jobs in {wall / 60:.1f} minutes'
-        + (f'; 1-minute load average before each job {min(loads):.2f}–{max(loads):.2f}.'
-           if loads else '.'), '',
+        + (f'; 1-minute load average before each job {min(loads):.2f}–{max(loads):.2f} (it '
+           "includes the suite's own previous job)." if loads else '.'), '']
+    if data.get('note'):
+        lines += [f'**Note on this run**: {data["note"]}', '']
+    lines += [
         'Every figure is a median with its min–max over repeats: the measured training steps '
         'of one process for per-step figures, separate processes for construction peaks, '
         'repeated saves / resumes for checkpoints. Every measurement runs in its own torchrun '
@@ -296,8 +299,9 @@ def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -
             '## 1. Model-state memory per rank', '',
             f'Bytes of the storages behind the local parameters, gradients and AdamW state, '
             f'counted right after `optimizer.step()` (gradients still alive), each storage '
-            f'once; {r0["steps"]} measured steps after {1} warm-up, batch {r0["batch_size"]} × '
-            f'{r0["seq_len"]} tokens per rank. Bounds (fp32 AdamW, 16 bytes per parameter): '
+            f'once; {r0["steps"]} measured steps after {r0.get("warmup", 1)} warm-up, batch '
+            f'{r0["batch_size"]} × {r0["seq_len"]} tokens per rank. '
+            'Bounds (fp32 AdamW, 16 bytes per parameter): '
             '16P (replicated), 16P/N (ZeRO-3: FULL_SHARD, FSDP2), 4P + 12P/N (ZeRO-2: '
             'parameters replicated, as the issue states it for SHARD_GRAD_OP). torch\'s '
             'SHARD_GRAD_OP and FSDP2 without resharding keep the parameters sharded between '
