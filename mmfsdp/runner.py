@@ -15,6 +15,7 @@ from .meta_init import build_on_meta, wants_meta_init
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .plan import format_plan, plan_for, plan_warnings
 from .registry import RUNNERS
+from .together import fail_together
 from .wrappers import MMDistributedDataParallel
 from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
 
@@ -126,7 +127,8 @@ class FSDPRunner(CheckpointMixin, Runner):
             self._bind_optim_wrapper()  # wrapped before the optim wrapper existed (meta init)
             return
         model = self.model
-        self._log_sharding_plan(model)
+        with fail_together('logging the sharding plan (rank 0)'):
+            self._log_sharding_plan(model)
         names = {id(p): n for n, p in model.named_parameters()}
         if self.cfg.get('sync_bn') is not None:
             model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))

@@ -3,17 +3,22 @@
 mmengine's hook removes the oldest checkpoint (``max_keep_ckpts``) *before*
 saving the new one, so a crash during that save can leave no checkpoint at
 all. This subclass saves first, then points ``last_checkpoint`` at the new
-checkpoint (atomically), and only then removes the expired one. Every option of
+checkpoint (atomically), and only then removes the expired one; checkpoints that a
+crash at that point left behind are removed at the next save. Every option of
 the stock hook keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
 for ``CheckpointHook``.
 """
 import os
+import re
 import shutil
+from typing import Optional, Pattern
 
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
 from ..registry import HOOKS
+from ..together import fail_together
+from .durable import write_text_atomically
 
 __all__ = ['CheckpointHook']
 
@@ -44,15 +49,47 @@ class CheckpointHook(MMEngineCheckpointHook):
             by_epoch=self.by_epoch,
             backend_args=self.backend_args,
             **self.args)
-        if not is_main_process():
-            return
         pointer = os.path.join(runner.work_dir, 'last_checkpoint')
-        with open(f'{pointer}.tmp', 'w') as f:
-            f.write(self.last_ckpt)
-        os.replace(f'{pointer}.tmp', pointer)
-        if expired is not None:
-            path = self.file_backend.join_path(self.out_dir, self.filename_tmpl.format(expired))
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.isfile(path):
-                os.remove(path)
+        with fail_together(f'updating {pointer} after saving {filename}'):
+            if is_main_process():
+                write_text_atomically(self.last_ckpt, pointer)
+                if expired is not None:
+                    _remove(self.file_backend.join_path(self.out_dir,
+                                                        self.filename_tmpl.format(expired)))
+                self._remove_orphans(runner)
+
+    def _remove_orphans(self, runner) -> None:
+        """Delete checkpoints older than the oldest kept one.
+
+        They are what a crash between repointing ``last_checkpoint`` and
+        deleting the expired checkpoint leaves behind: the resumed run's
+        ``keep_ckpt_ids`` no longer lists them, so nothing else would ever
+        delete them.
+        """
+        if self.max_keep_ckpts <= 0 or not self.keep_ckpt_ids:
+            return
+        step = _step_pattern(self.filename_tmpl)
+        if step is None or not os.path.isdir(self.out_dir):
+            return
+        oldest = self.keep_ckpt_ids[0]
+        for name in os.listdir(self.out_dir):
+            match = step.fullmatch(name)
+            if match and int(match.group(1)) < oldest:
+                runner.logger.info(f'Removing {name}: older than the {self.max_keep_ckpts} '
+                                   'checkpoints kept (max_keep_ckpts), left by an earlier run')
+                _remove(os.path.join(self.out_dir, name))
+
+
+def _step_pattern(filename_tmpl: str) -> Optional[Pattern]:
+    """``'iter_{}.pth'`` -> a regex whose group 1 is the step; ``None`` for other templates."""
+    parts = filename_tmpl.split('{}')
+    if len(parts) != 2:
+        return None
+    return re.compile(re.escape(parts[0]) + r'(\d+)' + re.escape(parts[1]))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)

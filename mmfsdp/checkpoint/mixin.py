@@ -11,9 +11,11 @@ import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mmengine
-from mmengine.dist import barrier, is_main_process
+from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
+from ..together import fail_together
+from .durable import remove_stale_temporaries
 from .hook import CheckpointHook
 from .safe_io import (
     UNSAFE_SWITCH,
@@ -32,7 +34,21 @@ from .state import (
     resolve_state_dict_type,
 )
 
-__all__ = ['CheckpointMixin']
+__all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S']
+
+#: How long the other ranks wait for rank 0 to write a checkpoint, by default:
+#: generous, because it bounds only a save that is slow but alive (a rank that
+#: fails or dies fails the others at once); the process group's timeout (e.g.
+#: 300 s) is sized for collectives and would kill a healthy multi-GB save.
+DEFAULT_SAVE_TIMEOUT_S = 3600.0
+
+
+def resolve_save_timeout(value: Any) -> float:
+    """``save_timeout``: positive seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TypeError(f'default_hooks.checkpoint.save_timeout: expected positive seconds, '
+                        f'got {value!r}')
+    return float(value)
 
 
 class CheckpointMixin:
@@ -68,14 +84,18 @@ class CheckpointMixin:
                         meta: Optional[Dict] = None,
                         by_epoch: bool = True,
                         backend_args: Optional[Dict] = None,
-                        state_dict_type: str = 'full') -> None:
+                        state_dict_type: str = 'full',
+                        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
         """Save a checkpoint; every rank calls it (as ``CheckpointHook`` does).
 
         Args mirror ``Runner.save_checkpoint``, plus ``state_dict_type``:
         ``'full'`` (one file written by rank 0) or ``'sharded'`` (a directory
-        with every rank's shards). Only local paths are supported.
+        with every rank's shards), and ``save_timeout``: seconds the other ranks
+        wait for rank 0's writes (a rank that fails or dies fails all ranks at
+        once, whatever this is). Only local paths are supported.
         """
         kind = resolve_state_dict_type(state_dict_type)
+        wait_s = resolve_save_timeout(save_timeout)
         if file_client_args is not None or backend_args is not None:
             raise ValueError('FSDPRunner writes checkpoints to local paths only; remove '
                              'file_client_args / backend_args from the CheckpointHook config')
@@ -89,16 +109,18 @@ class CheckpointMixin:
             checkpoint['state_dict'], optimizer = gather_full_state(self.model, optim_wrapper)
             if optimizer is not None:
                 checkpoint['optimizer'] = optimizer
-            if is_main_process():
-                self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                save_atomically(checkpoint, path)
+            with fail_together(f'saving checkpoint {path}', wait_s):
+                if is_main_process():
+                    self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+                    save_atomically(checkpoint, path)
+                    remove_stale_temporaries(out_dir)
         else:
             if optim_wrapper is not None:
                 checkpoint['optimizer_extras'] = optimizer_extras(optim_wrapper)
-            if is_main_process():
-                self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-            save_sharded(path, self.model, optim_wrapper, checkpoint)
-        barrier()
+            with fail_together(f'before_save_checkpoint hooks for {path}'):
+                if is_main_process():
+                    self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s)
 
     def load_checkpoint(self,
                         filename: str,

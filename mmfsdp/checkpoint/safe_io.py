@@ -8,18 +8,19 @@ mmengine and numpy classes; it loads only when the user opts in with the
 config switch :data:`UNSAFE_SWITCH` (``allow_unsafe_checkpoints = True``), and
 then with a warning naming the file.
 
-Writing goes to a temporary name first and is renamed into place, so a crash
-mid-write never leaves a truncated file under the final name.
+Writing goes to a temporary name first, is flushed to the disk and renamed
+into place (:mod:`.durable`), so a crash mid-write never leaves a truncated
+file under the final name.
 """
-import os
 import pickle
-import shutil
 import warnings
 from typing import Any, Dict, Mapping
 
 import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer, MessageHub
+
+from .durable import replace_path, save_atomically
 
 __all__ = ['UNSAFE_SWITCH', 'UnsafeCheckpointError', 'decode_message_hub', 'encode_message_hub',
            'load_file', 'replace_path', 'save_atomically']
@@ -51,21 +52,6 @@ def load_file(path: str, allow_unsafe: bool = False) -> Any:
     warnings.warn(f'Loading {path} with weights_only=False ({UNSAFE_SWITCH}=True): '
                   'unpickling can execute arbitrary code', stacklevel=2)
     return torch.load(path, map_location='cpu', weights_only=False)
-
-
-def replace_path(src: str, dst: str) -> None:
-    """Rename ``src`` (file or directory) onto ``dst``, replacing it."""
-    if os.path.isdir(dst) and not os.path.islink(dst):
-        shutil.rmtree(dst)
-    os.replace(src, dst)
-
-
-def save_atomically(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path.tmp``, then rename onto ``path``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f'{path}.tmp'
-    torch.save(obj, tmp)
-    replace_path(tmp, path)
 
 
 def _encode(value: Any) -> Any:

@@ -15,7 +15,7 @@ import shutil
 from typing import Any, Dict, Optional
 
 import torch.distributed.checkpoint as dcp
-from mmengine.dist import barrier, is_main_process
+from mmengine.dist import is_main_process
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..together import fail_together
+from .durable import TMP_SUFFIX, remove_stale_temporaries
 from .safe_io import load_file, replace_path, save_atomically
 from .state import AnyOptimWrapper, load_optimizer_extras, named_optim_wrappers, sharded_state
 
@@ -40,20 +42,27 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 
 def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
-                 extra: Dict[str, Any]) -> None:
-    """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective)."""
-    tmp = f'{path}.tmp'
-    if is_main_process() and os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    barrier()
+                 extra: Dict[str, Any], wait_s: Optional[float] = None) -> None:
+    """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective).
+
+    Rank 0's own steps (clearing a stale temporary directory, writing the meta
+    file, renaming) end in :func:`~mmfsdp.together.fail_together`: if they
+    fail, every rank raises. ``wait_s`` bounds how long the other ranks wait
+    for rank 0's writes.
+    """
+    tmp = path + TMP_SUFFIX
+    with fail_together(f'clearing {tmp}'):
+        if is_main_process() and os.path.isdir(tmp):
+            shutil.rmtree(tmp)
     shards, param_groups = sharded_state(model, optim_wrapper)
     dcp.save(shards, checkpoint_id=tmp)
-    if is_main_process():
-        if param_groups is not None:
-            extra = dict(extra, optimizer_param_groups=param_groups)
-        save_atomically(extra, os.path.join(tmp, META_FILE))
-        replace_path(tmp, path)
-    barrier()
+    with fail_together(f'saving checkpoint {path}', wait_s):
+        if is_main_process():
+            if param_groups is not None:
+                extra = dict(extra, optimizer_param_groups=param_groups)
+            save_atomically(extra, os.path.join(tmp, META_FILE))
+            replace_path(tmp, path)
+            remove_stale_temporaries(os.path.dirname(os.path.abspath(path)))
 
 
 def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
