@@ -9,6 +9,7 @@ from mmengine.runner import Runner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .agreement import check_ranks_agree
 from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
 from .meta_init import build_on_meta, wants_meta_init
@@ -38,7 +39,11 @@ class FSDPRunner(CheckpointMixin, Runner):
       call ``torch.cuda.set_device`` and fail on a CPU-only machine.
     - **Fail fast**: ``model_wrapper_cfg`` is checked on every rank before the
       process group starts (and against the model once it is built), so a
-      typo is an error everywhere, not a hang.
+      typo is an error everywhere, not a hang. Before the first collective
+      that depends on the model, the ranks compare fingerprints of the model
+      and the plan (:mod:`mmfsdp.agreement`); rank 0's own work (plan log,
+      checkpoint writes) ends with every rank learning whether it failed
+      (:mod:`mmfsdp.together`).
     - **Wrap after initialising**: the model stays unwrapped until the
       weights are final. ``train()`` builds the optimizer, runs
       ``init_weights()`` and broadcasts rank 0's weights on the full model,
@@ -102,13 +107,24 @@ class FSDPRunner(CheckpointMixin, Runner):
         if is_model_wrapper(model) or not self.distributed:
             return super().wrap_model(model_wrapper_cfg, model)
         if self._meta_init:
-            check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
+            self._check_before_wrapping(model)
             self.model = model
             self._wrap()
             return self.model
         model = model.to(current_device())
-        check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
+        self._check_before_wrapping(model)
         return model
+
+    def _check_before_wrapping(self, model: nn.Module) -> None:
+        """The wrapper config against the model, then every rank against the others.
+
+        Runs before the first collective that depends on the model (the weight
+        broadcast, the wrapper's): a rank whose check fails, or that built a
+        different model or plan, makes every rank raise (:mod:`mmfsdp.agreement`).
+        """
+        with fail_together('checking model_wrapper_cfg against the model'):
+            check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
+        check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
 
     def _init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the shards were initialised at wrapping."""

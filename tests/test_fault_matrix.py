@@ -1,0 +1,211 @@
+"""A job never hangs: a fault on one rank is an error naming its cause on every rank, at once.
+
+Every case runs in one 2-process gloo group (each case leaves the group
+usable for the next), injects one fault on one rank, and records on every
+rank the error raised and when (``time.monotonic()`` is one clock for all
+processes of this machine). The wall time from injection to the last rank's
+error is printed (``pytest -s``) and must stay far below the collective
+timeout of the harness (:data:`harness.COLLECTIVE_TIMEOUT_S`), so no case
+passes by merely timing out.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.hooks import Hook
+
+from harness import COLLECTIVE_TIMEOUT_S, run_distributed
+from toy import runner_config
+
+FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
+            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+FSDP2 = dict(type='mmfsdp.MMFullyShard',
+             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+#: An error must reach every rank well before a collective could time out.
+BOUND_S = COLLECTIVE_TIMEOUT_S / 2
+
+_injected = {}
+
+
+def _inject(case: str) -> None:
+    _injected[case] = time.monotonic()
+
+
+class _RaiseBeforeSave(Hook):
+
+    def before_save_checkpoint(self, runner, checkpoint) -> None:
+        if runner.rank == 0:
+            _inject('before_save_checkpoint')
+            raise ValueError('before_save_checkpoint boom')
+
+
+def _runner(name: str, root: str, wrapper: dict, checkpoint: str = None, max_iters: int = 2,
+            **cfg):
+    from mmfsdp import FSDPRunner
+    config = runner_config(name, f'{root}/{name}', batch_size=4, wrapper=wrapper,
+                           max_iters=max_iters)
+    if checkpoint is not None:
+        config['default_hooks']['checkpoint'] = dict(
+            type='CheckpointHook', interval=2, by_epoch=False, state_dict_type=checkpoint)
+    config.update(cfg)
+    return FSDPRunner.from_cfg(Config(config))
+
+
+def _outcome(case: str, fn) -> dict:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
+        return dict(type=type(e).__name__, message=str(e), end=time.monotonic(),
+                    injected=_injected.get(case))
+    return dict(type=None, message='', end=time.monotonic(), injected=_injected.get(case))
+
+
+def _faults(root: str) -> dict:
+    import mmfsdp
+    rank = int(os.environ['RANK'])
+    out = {}
+
+    def plan_fails():
+        cls = mmfsdp.FSDPRunner
+        real = cls._log_sharding_plan
+
+        def log(self, model):
+            if rank == 0:
+                _inject('plan')
+                raise ValueError('plan boom')
+            return real(self, model)
+
+        cls._log_sharding_plan = log
+        try:
+            _runner('plan', root, FSDP).train()
+        finally:
+            cls._log_sharding_plan = real
+
+    def hook_fails():
+        runner = _runner('hook', root, FSDP2, checkpoint='full')
+        runner.register_hook(_RaiseBeforeSave())
+        runner.train()
+
+    def save_fails(kind):
+        real = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if rank == 0 and str(f).endswith('.pth.tmp'):
+                _inject(f'torch.save {kind}')
+                raise OSError(28, 'No space left on device (injected)')
+            return real(obj, f, *args, **kwargs)
+
+        torch.save = save
+        try:
+            _runner(f'save-{kind}', root, FSDP, checkpoint=kind).train()
+        finally:
+            torch.save = real
+
+    def different_model():
+        runner = _runner('model', root, FSDP,
+                         model=dict(type='ToyClassifier', dim=16 if rank == 0 else 20))
+        runner.train()
+
+    def different_policy():
+        wrapper = FSDP if rank == 0 else dict(
+            FSDP, auto_wrap_policy=dict(type='size_based', min_num_params=200))
+        _runner('policy', root, wrapper).train()
+
+    def record(name, outcome):
+        out[name] = outcome
+        with open(f'{root}/outcomes_{rank}.json', 'w') as f:
+            json.dump(out, f)
+
+    for name, fn in [('plan', plan_fails), ('before_save_checkpoint', hook_fails),
+                     ('torch.save full', lambda: save_fails('full')),
+                     ('torch.save sharded', lambda: save_fails('sharded')),
+                     ('different model', different_model),
+                     ('different policy', different_policy)]:
+        if name in ('different model', 'different policy'):
+            _inject(name)  # the fault is there from the start: time the whole construction
+        record(name, _outcome(name, fn))
+
+    # Last, as it ends the group: rank 1 dies mid-step; rank 0 must not wait for it.
+    class Die(Hook):
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            if rank == 1 and runner.iter == 1:
+                with open(f'{root}/killed_at', 'w') as f:
+                    f.write(repr(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    runner = _runner('sigkill', root, FSDP, max_iters=4)
+    runner.register_hook(Die())
+    record('SIGKILL mid-step', _outcome('SIGKILL mid-step', runner.train))
+
+
+@pytest.fixture(scope='module')
+def ranks(tmp_path_factory) -> list:
+    """Each rank's outcome of each case (rank 1 has none for the SIGKILL case)."""
+    root = str(tmp_path_factory.mktemp('faults'))
+    with pytest.raises(AssertionError, match=r'ranks exited with codes \{1: -9\}'):
+        run_distributed(_faults, 2, root)
+    outcomes = [json.load(open(f'{root}/outcomes_{r}.json')) for r in range(2)]
+    killed_at = float(open(f'{root}/killed_at').read())
+    outcomes[0]['SIGKILL mid-step']['injected'] = killed_at
+    return outcomes
+
+
+def _wall(ranks, case) -> float:
+    injected = [r[case]['injected'] for r in ranks if r.get(case, {}).get('injected')]
+    wall = max(r[case]['end'] for r in ranks if case in r) - injected[0]
+    print(f'fault {case!r}: injection to error on every rank {wall:.2f} s')
+    return wall
+
+
+#: case -> (error on the faulty rank, fragments of it; error on the other rank, fragments)
+RANK0_FAULTS = {
+    'plan': ('ValueError', ['plan boom'],
+             ['logging the sharding plan', 'rank 0', 'ValueError: plan boom']),
+    'before_save_checkpoint': ('ValueError', ['before_save_checkpoint boom'],
+                               ['saving checkpoint', 'iter_2.pth', 'rank 0',
+                                'before_save_checkpoint boom']),
+    'torch.save full': ('OSError', ['No space left on device'],
+                        ['saving checkpoint', 'iter_2.pth', 'rank 0', 'OSError',
+                         'No space left on device']),
+    'torch.save sharded': ('OSError', ['No space left on device'],
+                           ['saving checkpoint', 'iter_2.pth', 'rank 0', 'OSError',
+                            'No space left on device']),
+}
+
+
+@pytest.mark.parametrize('case', list(RANK0_FAULTS))
+def test_rank0_failure_is_an_error_on_every_rank(ranks, case):
+    own_type, own_fragments, peer_fragments = RANK0_FAULTS[case]
+    assert ranks[0][case]['type'] == own_type, ranks[0][case]
+    for fragment in own_fragments:
+        assert fragment in ranks[0][case]['message']
+    assert ranks[1][case]['type'] == 'PeerFailure', ranks[1][case]
+    for fragment in peer_fragments:
+        assert fragment in ranks[1][case]['message'], (fragment, ranks[1][case]['message'])
+    assert _wall(ranks, case) < BOUND_S
+
+
+@pytest.mark.parametrize('case, fragments', [
+    ('different model', ['parameters', "'embed.weight (16, 6) torch.float32",
+                         "'embed.weight (20, 6) torch.float32", 'rank 0', 'rank 1']),
+    ('different policy', ['model_wrapper_cfg', 'auto_wrap_policy', "'transformer'",
+                          "'size_based'", 'rank 0', 'rank 1']),
+])
+def test_ranks_that_disagree_raise_the_same_error_naming_the_difference(ranks, case,
+                                                                        fragments):
+    assert [r[case]['type'] for r in ranks] == ['RankDisagreement'] * 2, ranks[0][case]
+    assert ranks[0][case]['message'] == ranks[1][case]['message']
+    for fragment in fragments:
+        assert fragment in ranks[0][case]['message'], (fragment, ranks[0][case]['message'])
+    assert _wall(ranks, case) < BOUND_S
+
+
+def test_sigkill_of_one_rank_mid_step_fails_the_other_at_once(ranks):
+    outcome = ranks[0]['SIGKILL mid-step']
+    assert outcome['type'] is not None and outcome['message'], outcome
+    assert 'SIGKILL mid-step' not in ranks[1]
+    assert _wall(ranks, 'SIGKILL mid-step') < BOUND_S
