@@ -10,8 +10,9 @@ for the wrapped model's parameters of the same name.
 
 Clipping is the other half: mmengine clips with
 ``torch.nn.utils.clip_grad_norm_`` over the local tensors, i.e. the norm of
-this rank's shard. :func:`clip_by_global_norm` routes it to the wrapper's
-collective ``clip_grad_norm_``, so every rank scales by the same global norm.
+this rank's shard, and a rank without local gradients skips it.
+:func:`clip_by_global_norm` makes each optim wrapper clip its own optimizer's
+parameters by their norm over all ranks (:mod:`mmfsdp.clip`).
 """
 import functools
 from typing import Dict, Iterator, Union
@@ -19,6 +20,8 @@ from typing import Dict, Iterator, Union
 import torch
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
+
+from .clip import clip_grads_by_global_norm
 
 __all__ = ['bind_optim_wrappers', 'clean_param_name', 'clip_by_global_norm',
            'retarget_parameters']
@@ -74,7 +77,11 @@ def bind_optim_wrappers(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
 
 
 def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
-    """Make norm clipping use ``model.clip_grad_norm_`` (the norm over all ranks)."""
+    """Make each optim wrapper clip its own parameters by their norm over all ranks.
+
+    See :mod:`mmfsdp.clip`. Value clipping (``type='value'``) is elementwise
+    and stays as mmengine does it.
+    """
     for wrapper in _optim_wrappers(optim_wrapper):
         if getattr(wrapper, 'clip_func', None) is not torch.nn.utils.clip_grad_norm_:
             continue
@@ -82,10 +89,15 @@ def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
         if unsupported:
             raise ValueError(f'optim_wrapper.clip_grad: {sorted(unsupported)} not supported with '
                              f'{type(model).__name__}; valid keys are max_norm, norm_type')
-        wrapper.clip_func = functools.partial(_clip_global, model)
+        # mmengine's OptimWrapper.step calls this private method; its own version skips the
+        # clip on a rank without local gradients, and the global norm is a collective.
+        wrapper._clip_grad = functools.partial(_clip_own_parameters, wrapper, model)
 
 
-def _clip_global(model: nn.Module, params: object, max_norm: float,
-                 norm_type: float = 2.0) -> torch.Tensor:
-    del params  # the wrapper clips all of its gradients, whichever rank holds them
-    return model.clip_grad_norm_(max_norm, norm_type)
+def _clip_own_parameters(wrapper: OptimWrapper, model: nn.Module) -> None:
+    params = [p for group in wrapper.optimizer.param_groups for p in group['params']
+              if p.requires_grad]
+    if not params:
+        return
+    norm = clip_grads_by_global_norm(model, params, **wrapper.clip_grad_kwargs)
+    wrapper.message_hub.update_scalar('train/grad_norm', float(norm))

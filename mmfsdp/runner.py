@@ -13,6 +13,7 @@ from .agreement import check_ranks_agree
 from .checkpoint import CheckpointMixin
 from .dist import current_device, init_distributed
 from .meta_init import build_on_meta, wants_meta_init
+from .clip import is_sharded
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .plan import format_plan, plan_for, plan_warnings
 from .registry import RUNNERS
@@ -52,8 +53,9 @@ class FSDPRunner(CheckpointMixin, Runner):
       training, and ``paramwise_cfg`` sees real shapes, names and layer types;
       the optimizer is then pointed at the wrapped parameters
       (:mod:`mmfsdp.optim`). ``val()`` and ``test()`` wrap at the same point.
-    - **Clipping**: norm clipping uses the global gradient norm over all
-      shards, logged as ``grad_norm``.
+    - **Clipping**: each optim wrapper clips its own optimizer's parameters
+      by their gradient norm over all shards (every rank joins, gradients or
+      not), logged as ``grad_norm``.
     - **Checkpoints**: every rank takes part in saving and loading; full
       files or sharded directories, safe to load, resumable at any world size
       (:class:`mmfsdp.checkpoint.CheckpointMixin`).
@@ -63,8 +65,9 @@ class FSDPRunner(CheckpointMixin, Runner):
       shard (:mod:`mmfsdp.meta_init`), so ``train()`` skips the stock
       initialise-and-broadcast step.
 
-    Without ``model_wrapper_cfg`` a distributed run uses
-    ``mmfsdp.MMDistributedDataParallel``, which runs on CPU too.
+    Without ``model_wrapper_cfg``, or with one that has no ``type``, a
+    distributed run uses ``mmfsdp.MMDistributedDataParallel`` (with those
+    options), which runs on CPU too.
 
     Config::
 
@@ -90,6 +93,8 @@ class FSDPRunner(CheckpointMixin, Runner):
         if cfg is None:
             return dict(type=DEFAULT_WRAPPER,
                         find_unused_parameters=self.cfg.get('find_unused_parameters', False))
+        if 'type' not in cfg:  # as mmengine: options of the default DDP wrapper
+            return dict(type=DEFAULT_WRAPPER, **cfg)
         return dict(cfg)
 
     def build_model(self, model: Any) -> nn.Module:
@@ -172,6 +177,6 @@ class FSDPRunner(CheckpointMixin, Runner):
     def _bind_optim_wrapper(self) -> None:
         """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""
         if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
-            if callable(getattr(self.model, 'clip_grad_norm_', None)):
+            if is_sharded(self.model):
                 clip_by_global_norm(self.optim_wrapper, self.model)
             bind_optim_wrappers(self.optim_wrapper, self.model)

@@ -66,6 +66,19 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
         self._has_synced = self._has_synced or self.require_backward_grad_sync
         return log_vars
 
+    def val_step(self, data: Any) -> list:
+        """The module's own ``val_step``, as mmengine's DDP wrapper does.
+
+        Every rank holds all parameters, so nothing needs the wrapper, and
+        ``DDP.forward`` would make an evaluation batch a collective (buffer
+        broadcast) where ranks may see different numbers of batches.
+        """
+        return self.module.val_step(data)
+
+    def test_step(self, data: Any) -> list:
+        """The module's own ``test_step`` (see :meth:`val_step`)."""
+        return self.module.test_step(data)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction, except before the first synchronised backward.

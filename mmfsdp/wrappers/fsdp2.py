@@ -14,12 +14,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
 from ..activation_checkpointing import (
     apply_activation_checkpointing_to,
     resolve_activation_checkpointing,
 )
+from ..clip import clip_grads_by_global_norm
 from ..dist import current_device
 from ..meta_init import materialize
 from ..options import (
@@ -270,12 +270,7 @@ class MMFullyShard(DataParallelSteps, nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm; return that norm as a plain tensor."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
 
     # The unwrapped model's names, for ``named_parameters()``, ``state_dict()`` and
     # ``torch.distributed.checkpoint.state_dict``, which maps each name to a module

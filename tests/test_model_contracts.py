@@ -1,0 +1,120 @@
+"""mmengine's model contract under every wrapper: clipping, default wrapper, names.
+
+All scenarios run in one 2-process gloo group; each is compared with mmengine's
+*stock* ``Runner`` on one process (global batch, no mmfsdp code).
+"""
+import copy
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+import contract_models  # noqa: F401  (registers the models)
+from harness import run_distributed
+from toy import runner_config
+
+TOL = 2e-5
+PER_RANK_BATCH, WORLD_SIZE = 4, 2
+BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
+FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
+FSDP2 = dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS)
+DDP = dict(type='mmfsdp.MMDistributedDataParallel')
+WRAPPERS = dict(fsdp1=FSDP1, fsdp2=FSDP2, ddp=DDP)
+
+ADAMW = dict(optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.0))
+CLIP = dict(optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=0.05))
+FROZEN = dict(type='FrozenBackboneClassifier')
+
+#: name -> (model, model_wrapper_cfg, optim_wrapper)
+SCENARIOS = {
+    **{f'frozen_backbone_clip/{w}': (FROZEN, cfg, CLIP) for w, cfg in WRAPPERS.items()},
+    'no_type/find_unused_parameters': (dict(type='ToyClassifier'),
+                                       dict(find_unused_parameters=True), ADAMW),
+}
+
+
+def _config(name: str, root: str, model: dict, optim_wrapper: dict, **kwargs) -> dict:
+    cfg = runner_config(name.replace('/', '-'), f'{root}/{name}',
+                        optim_wrapper=copy.deepcopy(optim_wrapper), **kwargs)
+    cfg['model'] = copy.deepcopy(model)
+    return cfg
+
+
+def _history(runner, key: str) -> list:
+    if not runner.message_hub.log_scalars.get(key):
+        return []
+    return [float(v) for v in runner.message_hub.get_scalar(key).data[0]]
+
+
+def _full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone().float() for k, v in state.items()}
+
+
+def _run_all(root: str) -> dict:
+    from mmfsdp import FSDPRunner
+    results = {}
+    for name, (model, wrapper, optim) in SCENARIOS.items():
+        cfg = Config(_config(name, root, model, optim, wrapper=wrapper,
+                             batch_size=PER_RANK_BATCH))
+        runner = FSDPRunner.from_cfg(cfg)
+        runner.train()
+        results[name] = dict(state=_full_state(runner.model),
+                             grad_norm=_history(runner, 'train/grad_norm'),
+                             wrapper=type(runner.model).__name__,
+                             find_unused=getattr(runner.model, 'find_unused_parameters', None),
+                             cfg_after=cfg.model_wrapper_cfg.to_dict())
+    return results if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.fixture(scope='module')
+def distributed(tmp_path_factory) -> dict:
+    return run_distributed(_run_all, WORLD_SIZE, str(tmp_path_factory.mktemp('dist')))[0]
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    """Single-process runs of mmengine's stock Runner, memoised per (model, optim)."""
+    cache, root = {}, tmp_path_factory.mktemp('ref')
+
+    def run(model: dict, optim: dict) -> dict:
+        key = repr((model, optim))
+        if key not in cache:
+            cfg = _config(f'ref{len(cache)}', str(root), model, optim, launcher='none',
+                          batch_size=PER_RANK_BATCH * WORLD_SIZE)
+            runner = Runner.from_cfg(Config(cfg))
+            runner.train()
+            cache[key] = dict(state={k: v.detach().clone() for k, v in
+                                     runner.model.state_dict().items()},
+                              grad_norm=_history(runner, 'train/grad_norm'))
+        return cache[key]
+
+    return run
+
+
+def _max_abs_diff(state: dict, ref_state: dict) -> float:
+    assert sorted(state) == sorted(ref_state)
+    return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_frozen_backbone_clipping_equals_one_process(wrapper, distributed, reference):
+    """Every rank joins the global norm, even one whose shard has no gradient."""
+    model, _, optim = SCENARIOS[f'frozen_backbone_clip/{wrapper}']
+    got, ref = distributed[f'frozen_backbone_clip/{wrapper}'], reference(model, optim)
+    diff = _max_abs_diff(got['state'], ref['state'])
+    print(f'{wrapper}: max abs diff {diff:.2e}')
+    assert diff <= TOL
+    assert got['grad_norm'] == pytest.approx(ref['grad_norm'], rel=1e-4)
+    assert min(ref['grad_norm']) > optim['clip_grad']['max_norm']  # clipping was active
+
+
+def test_wrapper_config_without_type_is_mmfsdp_ddp(distributed, reference):
+    model, _, optim = SCENARIOS['no_type/find_unused_parameters']
+    got = distributed['no_type/find_unused_parameters']
+    assert got['wrapper'] == 'MMDistributedDataParallel'
+    assert got['find_unused'] is True
+    assert got['cfg_after'] == dict(find_unused_parameters=True)  # the user's config untouched
+    assert _max_abs_diff(got['state'], reference(model, optim)['state']) <= TOL
