@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .agreement import check_ranks_agree
 from .checkpoint import CheckpointMixin
+from .clip import is_sharded
 from .dist import current_device, init_distributed
 from .meta_init import build_on_meta, wants_meta_init
-from .clip import is_sharded
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .plan import format_plan, plan_for, plan_warnings
 from .registry import RUNNERS

@@ -5,12 +5,12 @@ All scenarios run in one 2-process gloo group; each is compared with mmengine's
 """
 import copy
 
+import contract_models  # noqa: F401  (registers the models)
 import pytest
 import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-import contract_models  # noqa: F401  (registers the models)
 from harness import run_distributed
 from toy import runner_config
 
