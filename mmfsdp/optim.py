@@ -22,19 +22,12 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 
 from .clip import clip_grads_by_global_norm
+from .names import unwrapped_named_parameters
 
-__all__ = ['bind_optim_wrappers', 'clean_param_name', 'clip_by_global_norm',
+__all__ = ['bind_optim_wrappers', 'clip_by_global_norm',
            'retarget_parameters']
 
-#: Module names that wrappers insert between a model and its parameters.
-_WRAPPER_TOKENS = frozenset({'_fsdp_wrapped_module', '_checkpoint_wrapped_module', 'module'})
-
 AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
-
-
-def clean_param_name(name: str) -> str:
-    """The unwrapped model's name of a wrapped model's parameter."""
-    return '.'.join(t for t in name.split('.') if t not in _WRAPPER_TOKENS)
 
 
 def _optim_wrappers(optim_wrapper: AnyOptimWrapper) -> Iterator[OptimWrapper]:
@@ -54,7 +47,7 @@ def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
         wrapped: The wrapped model.
 
     """
-    by_name = {clean_param_name(n): p for n, p in wrapped.named_parameters()}
+    by_name = dict(unwrapped_named_parameters(wrapped))
     for wrapper in _optim_wrappers(optim_wrapper):
         optimizer = wrapper.optimizer
         if optimizer.state:

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from mmengine.registry import MODELS
+from mmengine.optim import DefaultOptimWrapperConstructor
+from mmengine.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
 from toy import ToyClassifier
@@ -46,6 +47,21 @@ class ModuleNamedClassifier(ToyClassifier):
         for block in self.blocks:
             x = block(x)
         return outputs(self.head(self.norm(x)).float(), data_samples, mode)
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module()
+class WholeModelConstructor(DefaultOptimWrapperConstructor):
+    """The default constructor, for a model with a child called ``module``.
+
+    mmengine's constructor optimises ``model.module`` whenever the model has
+    that attribute (meant for wrappers; one process does the same): give it a
+    holder whose ``module`` is the whole model.
+    """
+
+    def __call__(self, model: nn.Module):
+        holder = nn.Module()
+        holder.module = model
+        return super().__call__(holder)
 
 
 def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], mode: str) -> Any:

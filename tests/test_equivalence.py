@@ -78,9 +78,8 @@ def _history(runner, key: str) -> list:
 
 def _param_groups(runner) -> list:
     """(names, lr, weight_decay) of every optimizer group, names unwrapped."""
-    from mmfsdp.optim import clean_param_name
-    model = runner.model
-    names = {id(p): clean_param_name(n) for n, p in model.named_parameters()}
+    from mmfsdp.names import unwrapped_param_names
+    names = unwrapped_param_names(runner.model)
     return sorted((sorted(names[id(p)] for p in g['params']), g['lr'], g['weight_decay'])
                   for g in runner.optim_wrapper.optimizer.param_groups)
 

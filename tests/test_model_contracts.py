@@ -4,6 +4,7 @@ All scenarios run in one 2-process gloo group; each is compared with mmengine's
 *stock* ``Runner`` on one process (global batch, no mmfsdp code).
 """
 import copy
+from typing import Optional
 
 import contract_models  # noqa: F401  (registers the models)
 import pytest
@@ -53,6 +54,37 @@ def _full_state(model) -> dict:
     return {k: v.detach().clone().float() for k, v in state.items()}
 
 
+#: wrapper -> checkpoint type of the ``module``-named model's runs
+NAMED_CHECKPOINTS = dict(fsdp1='sharded', fsdp2='sharded', ddp='full')
+NAMED = dict(type='ModuleNamedClassifier')
+NAMED_OPTIM = dict(ADAMW, constructor='WholeModelConstructor')
+HALF, TOTAL = 3, 6
+
+
+def _named_config(root: str, run: str, wrapper: Optional[dict], world_size: int, kind: str,
+                  resume_from: Optional[str] = None) -> Config:
+    """Six steps of the ``module``-named model at a global batch of 8, saving at 3."""
+    cfg = _config(run, root, NAMED, NAMED_OPTIM, wrapper=wrapper, max_iters=TOTAL,
+                  batch_size=PER_RANK_BATCH * WORLD_SIZE // world_size,
+                  launcher='pytorch' if wrapper else 'none')
+    if wrapper is None:
+        cfg['runner_type'] = 'mmfsdp.FSDPRunner'
+    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=HALF,
+                                              by_epoch=False, state_dict_type=kind)
+    if resume_from:
+        cfg.update(load_from=resume_from, resume=True)
+    return Config(cfg)
+
+
+def _train_named(root: str, run: str, wrapper: Optional[dict], world_size: int, kind: str,
+                 resume_from: Optional[str] = None) -> dict:
+    from mmfsdp import FSDPRunner
+    runner = FSDPRunner.from_cfg(_named_config(root, run, wrapper, world_size, kind,
+                                               resume_from))
+    runner.train()
+    return dict(state=_full_state(runner.model), iter=runner.iter)
+
+
 def _run_all(root: str) -> dict:
     from mmfsdp import FSDPRunner
     results = {}
@@ -66,12 +98,19 @@ def _run_all(root: str) -> dict:
                              wrapper=type(runner.model).__name__,
                              find_unused=getattr(runner.model, 'find_unused_parameters', None),
                              cfg_after=cfg.model_wrapper_cfg.to_dict())
+    for wrapper, kind in NAMED_CHECKPOINTS.items():
+        run = f'named-{wrapper}'
+        results[f'named/{wrapper}'] = _train_named(root, run, WRAPPERS[wrapper], 2, kind)
+        results[f'named/{wrapper}/resumed'] = _train_named(
+            root, f'{run}-resumed', WRAPPERS[wrapper], 2, kind,
+            resume_from=f'{root}/{run}/iter_{HALF}.pth')
     return results if torch.distributed.get_rank() == 0 else None
 
 
 @pytest.fixture(scope='module')
 def distributed(tmp_path_factory) -> dict:
-    return run_distributed(_run_all, WORLD_SIZE, str(tmp_path_factory.mktemp('dist')))[0]
+    root = str(tmp_path_factory.mktemp('dist'))
+    return dict(run_distributed(_run_all, WORLD_SIZE, root)[0], root=root)
 
 
 @pytest.fixture(scope='module')
@@ -118,3 +157,26 @@ def test_wrapper_config_without_type_is_mmfsdp_ddp(distributed, reference):
     assert got['find_unused'] is True
     assert got['cfg_after'] == dict(find_unused_parameters=True)  # the user's config untouched
     assert _max_abs_diff(got['state'], reference(model, optim)['state']) <= TOL
+
+
+@pytest.mark.parametrize('wrapper', list(NAMED_CHECKPOINTS))
+def test_child_named_module_trains_equal_to_one_process(wrapper, distributed, reference):
+    got = distributed[f'named/{wrapper}']['state']
+    assert {'module.weight', 'neck.module.weight'} <= set(got)
+    assert _max_abs_diff(got, reference(NAMED, NAMED_OPTIM)['state']) <= TOL
+
+
+@pytest.mark.parametrize('wrapper', list(NAMED_CHECKPOINTS))
+def test_child_named_module_resumes_exactly(wrapper, distributed):
+    resumed = distributed[f'named/{wrapper}/resumed']
+    assert resumed['iter'] == TOTAL
+    assert _max_abs_diff(resumed['state'], distributed[f'named/{wrapper}']['state']) <= 1e-6
+
+
+@pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
+def test_child_named_module_reshards_to_one_process(wrapper, distributed, tmp_path_factory):
+    """The 2-rank sharded checkpoint resumes in this process (no process group)."""
+    root = str(distributed['root'])
+    got = _train_named(str(tmp_path_factory.mktemp('one')), f'{wrapper}-at1', None, 1,
+                       'full', resume_from=f'{root}/named-{wrapper}/iter_{HALF}.pth')
+    assert _max_abs_diff(got['state'], distributed[f'named/{wrapper}']['state']) <= TOL

@@ -14,6 +14,7 @@ import mmengine
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
+from ..names import model_state_names
 from ..together import fail_together
 from .durable import remove_stale_temporaries
 from .hook import CheckpointHook
@@ -143,8 +144,10 @@ class CheckpointMixin:
             checkpoint = load_file(filename, allow_unsafe)
             self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
             state = checkpoint.get('state_dict', checkpoint)
+            own = model_state_names(self.model)  # a model's own child may be called 'module'
             for pattern, replacement in revise_keys:
-                state = {re.sub(pattern, replacement, k): v for k, v in state.items()}
+                state = {k if k in own else re.sub(pattern, replacement, k): v
+                         for k, v in state.items()}
             missing, unexpected = load_full_model_state(self.model, state, strict)
             if missing or unexpected:
                 self.logger.warning(f'Loaded {filename} with missing keys {missing} and '

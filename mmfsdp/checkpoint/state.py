@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..optim import clean_param_name
+from ..names import unwrapped_param_names
 from ..options import resolve_enum
 
 __all__ = ['StateDictType', 'gather_full_state', 'named_optim_wrappers', 'load_full_model_state',
@@ -135,7 +135,7 @@ def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimiz
     groups = state['param_groups']
     if not groups or not groups[0]['params'] or isinstance(groups[0]['params'][0], str):
         return state
-    names = {id(p): clean_param_name(n) for n, p in model.named_parameters()}
+    names = unwrapped_param_names(model)
     ordered = [names[id(p)] for g in optimizer.param_groups for p in g['params']]
     by_id = dict(zip((i for g in groups for i in g['params']), ordered))
     return dict(state={by_id[i]: s for i, s in state['state'].items()},

@@ -1,0 +1,67 @@
+"""The unwrapped model's name of a wrapped model's parameter, by the wrappers' own prefixes.
+
+Wrapping inserts path components between the model and its parameters: DDP
+and mmengine-style wrappers hold the model as their child ``module``, FSDP1 as
+``_fsdp_wrapped_module`` and activation checkpointing as
+``_checkpoint_wrapped_module``. A component is dropped only where the module
+that owns it is such a wrapper, so a model's own child called ``module``
+(``BaseTTAModel.module``, containers, user code) keeps its name.
+"""
+from typing import Dict, Iterator, Set, Tuple
+
+from mmengine.model import is_model_wrapper
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ['model_state_names', 'unwrapped_name', 'unwrapped_named_parameters',
+           'unwrapped_param_names']
+
+#: The child name torch's FSDP1 gives the module it wraps.
+FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
+#: The child name torch's activation-checkpoint wrapper gives the module it wraps.
+CHECKPOINT_WRAPPED_MODULE = '_checkpoint_wrapped_module'
+
+
+def unwrapped_name(model: nn.Module, name: str) -> str:
+    """``name``, a path in the (possibly wrapped) ``model``, without the wrappers' components.
+
+    ``name`` is as ``nn.Module.named_parameters`` / ``named_modules`` of
+    ``model`` spell it (every component present).
+    """
+    *path, leaf = name.split('.')
+    kept = []
+    module = model
+    for component in path:
+        if not _inserted_by_wrapper(module, component):
+            kept.append(component)
+        module = module._modules[component]
+    return '.'.join(kept + [leaf])
+
+
+def unwrapped_named_parameters(model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter, named as in the unwrapped model."""
+    # nn.Module's own method: wrappers may override named_parameters to rename.
+    for name, param in nn.Module.named_parameters(model):
+        yield unwrapped_name(model, name), param
+
+
+def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
+    """``id(parameter) -> name`` of every parameter, named as in the unwrapped model."""
+    return {id(p): name for name, p in unwrapped_named_parameters(model)}
+
+
+def model_state_names(model: nn.Module) -> Set[str]:
+    """The names of the parameters and buffers of ``model``, as the unwrapped model's."""
+    buffers = (unwrapped_name(model, n) for n, _ in nn.Module.named_buffers(model))
+    return set(unwrapped_param_names(model).values()).union(buffers)
+
+
+def _inserted_by_wrapper(parent: nn.Module, child: str) -> bool:
+    if child == FSDP_WRAPPED_MODULE:
+        return isinstance(parent, FullyShardedDataParallel)
+    if child == CHECKPOINT_WRAPPED_MODULE:
+        return isinstance(parent, ActivationWrapper)
+    return child == 'module' and (isinstance(parent, DistributedDataParallel)
+                                  or is_model_wrapper(parent))
