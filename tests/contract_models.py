@@ -3,17 +3,21 @@
 - ``FrozenBackboneClassifier``: a frozen backbone and a trainable head, both in
   the root FSDP unit (``frozen_stages``-style fine-tuning);
 - ``ModuleNamedClassifier``: children called ``module`` at two depths, the
-  name DDP and mmfsdp's wrappers use for their own child.
+  name DDP and mmfsdp's wrappers use for their own child;
+- ``ToyGAN``: its own ``train_step`` with an ``OptimWrapperDict`` (built by
+  ``PerChildOptimConstructor``) and its own ``val_step`` / ``test_step``.
 """
+import copy
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from mmengine.optim import DefaultOptimWrapperConstructor
+from mmengine.model import BaseModel, is_model_wrapper
+from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapperDict, build_optim_wrapper
 from mmengine.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
-from toy import ToyClassifier
+from toy import IN_DIM, ToyClassifier
 
 
 @MODELS.register_module()
@@ -73,3 +77,80 @@ def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], mode: str) -> 
         return [dict(nll=n, correct=c) for n, c in
                 zip(nll.cpu(), (logits.argmax(-1) == labels).cpu())]
     return logits
+
+
+NOISE_DIM = 4
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module()
+class PerChildOptimConstructor:
+    """An ``OptimWrapperDict`` with one optim wrapper per named child (as mmagic's constructor).
+
+    Config::
+
+        optim_wrapper = dict(constructor='PerChildOptimConstructor',
+                             generator=dict(optimizer=dict(type='Adam', lr=1e-3)),
+                             discriminator=dict(optimizer=dict(type='Adam', lr=1e-3)))
+    """
+
+    def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: Optional[dict] = None) -> None:
+        self.cfg = copy.deepcopy(optim_wrapper_cfg)
+
+    def __call__(self, model: nn.Module) -> OptimWrapperDict:
+        if is_model_wrapper(model):
+            model = model.module
+        return OptimWrapperDict(**{name: build_optim_wrapper(getattr(model, name), cfg)
+                                   for name, cfg in self.cfg.items()})
+
+
+@MODELS.register_module()
+class ToyGAN(BaseModel):
+    """A generator and a discriminator updated by the model's own ``train_step``.
+
+    The discriminator scores ``ToyDataset`` inputs against generated ones; the
+    noise is a fixed function of the batch, so any split of the global batch
+    sees the same numbers. ``val_step`` is the model's own too: ``forward`` has
+    no ``predict`` mode, so only it can produce predictions.
+    """
+
+    def __init__(self, data_preprocessor: Optional[dict] = None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.generator = nn.Sequential(nn.Linear(NOISE_DIM, 16), nn.GELU(), nn.Linear(16, IN_DIM))
+        self.discriminator = nn.Sequential(nn.Linear(IN_DIM, 16), nn.GELU(), nn.Linear(16, 1))
+
+    def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = 'tensor') -> Any:
+        if mode != 'tensor':
+            raise NotImplementedError(f'ToyGAN runs its own steps, not forward(mode={mode!r})')
+        return self.generator(self.noise(inputs))
+
+    @staticmethod
+    def noise(inputs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(inputs[:, :NOISE_DIM].flip(-1))
+
+    def train_step(self, data: Any, optim_wrapper: OptimWrapperDict) -> dict:
+        data = self.data_preprocessor(data, True)
+        real = data['inputs']
+        disc = optim_wrapper['discriminator']
+        # The generator's loss also reached the discriminator in the last step.
+        disc.zero_grad()
+        with disc.optim_context(self.discriminator):
+            fake = self.generator(self.noise(real)).detach()
+            loss_d = (F.softplus(self.discriminator(fake)).mean()
+                      + F.softplus(-self.discriminator(real)).mean())
+        disc.update_params(loss_d)
+        gen = optim_wrapper['generator']
+        with gen.optim_context(self.generator):
+            loss_g = F.softplus(-self.discriminator(self.generator(self.noise(real)))).mean()
+        gen.update_params(loss_g)
+        return dict(loss_d=loss_d.detach(), loss_g=loss_g.detach())
+
+    def val_step(self, data: Any) -> list:
+        data = self.data_preprocessor(data, False)
+        real = data['inputs']
+        score_real = self.discriminator(real).squeeze(-1)
+        score_fake = self.discriminator(self.generator(self.noise(real))).squeeze(-1)
+        return [dict(nll=n, correct=c) for n, c in zip(F.softplus(-score_real).cpu(),
+                                                       (score_fake < 0).float().cpu())]
+
+    def test_step(self, data: Any) -> list:
+        return self.val_step(data)

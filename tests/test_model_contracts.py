@@ -27,6 +27,18 @@ ADAMW = dict(optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.0))
 CLIP = dict(optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=0.05))
 FROZEN = dict(type='FrozenBackboneClassifier')
 
+GAN = dict(type='ToyGAN')
+#: Two optimizers built by a constructor, each clipping its own parameters.
+GAN_OPTIM = dict(constructor='PerChildOptimConstructor',
+                 generator=dict(optimizer=dict(type='AdamW', lr=1e-2),
+                                clip_grad=dict(max_norm=0.02)),
+                 discriminator=dict(optimizer=dict(type='AdamW', lr=1e-2),
+                                    clip_grad=dict(max_norm=0.03)))
+#: The wrapper types users write for a GAN (mmagic: mmengine's separate DDP).
+GAN_WRAPPERS = dict(fsdp1=dict(type='mmfsdp.MMFullyShardedDataParallel'),
+                    fsdp2=dict(type='mmfsdp.MMFullyShard'),
+                    ddp=dict(type='MMSeparateDistributedDataParallel'))
+
 #: name -> (model, model_wrapper_cfg, optim_wrapper)
 SCENARIOS = {
     **{f'frozen_backbone_clip/{w}': (FROZEN, cfg, CLIP) for w, cfg in WRAPPERS.items()},
@@ -98,6 +110,19 @@ def _run_all(root: str) -> dict:
                              wrapper=type(runner.model).__name__,
                              find_unused=getattr(runner.model, 'find_unused_parameters', None),
                              cfg_after=cfg.model_wrapper_cfg.to_dict())
+    for wrapper, wrapper_cfg in GAN_WRAPPERS.items():
+        cfg = Config(_config(f'gan-{wrapper}', root, GAN, GAN_OPTIM, wrapper=wrapper_cfg,
+                             batch_size=PER_RANK_BATCH, val=True))
+        runner = FSDPRunner.from_cfg(cfg)
+        runner.train()
+        results[f'gan/{wrapper}'] = dict(state=_full_state(runner.model), val=runner.val(),
+                                         test=runner.test(), wrapper=type(runner.model).__name__)
+    try:
+        FSDPRunner.from_cfg(Config(_config('gan-refused', root, GAN, GAN_OPTIM, wrapper=DDP,
+                                           batch_size=PER_RANK_BATCH))).train()
+        results['gan/refused'] = None
+    except ValueError as e:
+        results['gan/refused'] = str(e)
     for wrapper, kind in NAMED_CHECKPOINTS.items():
         run = f'named-{wrapper}'
         results[f'named/{wrapper}'] = _train_named(root, run, WRAPPERS[wrapper], 2, kind)
@@ -118,16 +143,18 @@ def reference(tmp_path_factory):
     """Single-process runs of mmengine's stock Runner, memoised per (model, optim)."""
     cache, root = {}, tmp_path_factory.mktemp('ref')
 
-    def run(model: dict, optim: dict) -> dict:
-        key = repr((model, optim))
+    def run(model: dict, optim: dict, val: bool = False) -> dict:
+        key = repr((model, optim, val))
         if key not in cache:
             cfg = _config(f'ref{len(cache)}', str(root), model, optim, launcher='none',
-                          batch_size=PER_RANK_BATCH * WORLD_SIZE)
+                          batch_size=PER_RANK_BATCH * WORLD_SIZE, val=val)
             runner = Runner.from_cfg(Config(cfg))
             runner.train()
             cache[key] = dict(state={k: v.detach().clone() for k, v in
                                      runner.model.state_dict().items()},
-                              grad_norm=_history(runner, 'train/grad_norm'))
+                              grad_norm=_history(runner, 'train/grad_norm'),
+                              val=runner.val() if val else None,
+                              test=runner.test() if val else None)
         return cache[key]
 
     return run
@@ -180,3 +207,28 @@ def test_child_named_module_reshards_to_one_process(wrapper, distributed, tmp_pa
     got = _train_named(str(tmp_path_factory.mktemp('one')), f'{wrapper}-at1', None, 1,
                        'full', resume_from=f'{root}/named-{wrapper}/iter_{HALF}.pth')
     assert _max_abs_diff(got['state'], distributed[f'named/{wrapper}']['state']) <= TOL
+
+
+@pytest.mark.parametrize('wrapper', list(GAN_WRAPPERS))
+def test_gan_with_own_train_step_equals_one_process(wrapper, distributed, reference):
+    """Own train_step, two optimizers from a constructor, each clipping its own parameters."""
+    got = distributed[f'gan/{wrapper}']
+    diff = _max_abs_diff(got['state'], reference(GAN, GAN_OPTIM, val=True)['state'])
+    print(f'gan/{wrapper} ({got["wrapper"]}): max abs diff {diff:.2e}')
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize('wrapper', list(GAN_WRAPPERS))
+def test_own_val_and_test_steps_give_their_predictions(wrapper, distributed, reference):
+    ref = reference(GAN, GAN_OPTIM, val=True)
+    for loop in ('val', 'test'):
+        got = distributed[f'gan/{wrapper}'][loop]
+        assert sorted(got) == ['accuracy', 'nll']
+        assert got['nll'] == pytest.approx(ref[loop]['nll'], abs=TOL)
+        assert got['accuracy'] == ref[loop]['accuracy']
+
+
+def test_ddp_over_a_model_with_own_train_step_is_refused(distributed):
+    message = distributed['gan/refused']
+    assert message is not None, 'mmfsdp.MMDistributedDataParallel trained a GAN it cannot sync'
+    assert 'MMSeparateDistributedDataParallel' in message and 'train_step' in message

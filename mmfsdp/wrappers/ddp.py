@@ -1,13 +1,15 @@
 """``MMDistributedDataParallel``: torch's DDP for mmengine models, on any device."""
 import contextlib
+import inspect
 from typing import Any, Iterator, List, Mapping, Optional
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..options import check_keys
 from ..plan.spec import Padding, ShardingSpec
 from ..registry import MODEL_WRAPPERS
-from .steps import DataParallelSteps
+from .steps import DataParallelSteps, own_steps
 
 __all__ = ['MMDistributedDataParallel']
 
@@ -49,6 +51,7 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
                  broadcast_buffers: bool = False,
                  bucket_cap_mb: Optional[float] = None) -> None:
         del device_ids
+        _refuse_own_train_step(module)
         device = next(module.parameters()).device
         super().__init__(
             module,
@@ -93,6 +96,14 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
             yield
 
     @classmethod
+    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
+        """Raise on unknown keywords and, with ``module``, on a model this wrapper cannot train."""
+        check_keys(config, [n for n in inspect.signature(cls.__init__).parameters
+                            if n not in ('self', 'module')], 'model_wrapper_cfg')
+        if module is not None:
+            _refuse_own_train_step(module)
+
+    @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
                       world_size: int) -> ShardingSpec:
         """Every rank holds everything (see :mod:`mmfsdp.plan`)."""
@@ -100,3 +111,18 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
             wrapper='mmfsdp.MMDistributedDataParallel', strategy='REPLICATE', shard_size=1,
             replicate_size=world_size, units=(), padding=Padding.NONE, shard_params=False,
             shard_grads=False, shard_optimizer=False)
+
+
+def _refuse_own_train_step(module: nn.Module) -> None:
+    """One DDP over the model reduces only what flows through its forward.
+
+    A model's own ``train_step`` calls its sub-modules directly, so DDP's
+    reducer would never be prepared and gradients would stay per rank.
+    """
+    if 'train_step' in own_steps(module):
+        raise ValueError(
+            "model_wrapper_cfg.type='mmfsdp.MMDistributedDataParallel': "
+            f'{type(module).__name__} defines its own train_step, which calls its sub-modules '
+            'directly, past the DDP forward that reduces gradients. Use model_wrapper_cfg='
+            "dict(type='MMSeparateDistributedDataParallel') (mmengine's DDP per child, as "
+            "mmagic configs do), or 'mmfsdp.MMFullyShard' / 'mmfsdp.MMFullyShardedDataParallel'")

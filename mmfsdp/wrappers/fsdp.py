@@ -30,7 +30,8 @@ from ..plan.spec import Padding, ShardingSpec
 from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from .guard import reject_stock_runner
-from .steps import DataParallelSteps
+from .separate import MMSeparateFullyShardedDataParallel, separate_roots
+from .steps import DataParallelSteps, own_steps
 
 __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
 
@@ -119,6 +120,18 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             activation_checkpointing=dict(layer_cls=['TransformerBlock']))
     """
 
+    def __new__(cls, module: Optional[nn.Module] = None, **config: Any) -> nn.Module:
+        """A new wrapper; for a model with its own steps, one FSDP1 root per child.
+
+        FSDP1 reduces gradients only after a backward through its root's
+        forward, which a model's own ``train_step`` never runs (see
+        :mod:`mmfsdp.wrappers.separate`).
+        """
+        if module is not None and own_steps(module) and cls is MMFullyShardedDataParallel:
+            reject_stock_runner(cls.__name__)
+            return MMSeparateFullyShardedDataParallel(module, **config)
+        return super().__new__(cls)
+
     def __init__(self, module: nn.Module, **config: Any) -> None:
         reject_stock_runner(type(self).__name__)
         cfg = FSDPConfig.from_dict(config)
@@ -146,6 +159,8 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         cfg = FSDPConfig.from_dict(config)
         if module is not None:
             cfg.for_model(module)
+            if own_steps(module):
+                separate_roots(module, 'mmfsdp.MMFullyShardedDataParallel')
 
     @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,

@@ -39,8 +39,10 @@ from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from ..tied import merge_units_sharing_parameters
 from .guard import reject_stock_runner
+from .holder import ModelHolder
 from .mesh import build_mesh, check_reshard_after_forward
-from .steps import DataParallelSteps
+from .separate import separate_roots
+from .steps import DataParallelSteps, own_steps
 
 __all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model', 'unit_plan']
 
@@ -140,15 +142,19 @@ def unit_plan(module: nn.Module, policy: Optional[WrapPolicy]) -> List[str]:
 def shard_model(module: nn.Module, mesh: DeviceMesh, policy: Optional[WrapPolicy],
                 checkpoint_layers: Tuple[Type[nn.Module], ...], *,
                 reshard_after_forward: Union[bool, int],
-                mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> List[str]:
+                mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
+                roots: Optional[List[str]] = None) -> List[str]:
     """Apply ``fully_shard`` to the policy's units (children first), then to ``module``.
 
-    Units sharing a parameter are merged first (:mod:`mmfsdp.tied`); the
+    With ``roots`` (children of ``module``), those are sharded as separate
+    roots instead of ``module`` (:mod:`mmfsdp.wrappers.separate`). Units
+    sharing a parameter are merged first (:mod:`mmfsdp.tied`); the
     checkpointed layers are wrapped before sharding, so a unit that is such a
     layer is sharded as its checkpoint wrapper. Returns the sharded unit names.
     """
-    units = unit_plan(module, policy)
+    units = [name for name in unit_plan(module, policy) if name not in (roots or ())]
     targets = [module.get_submodule(name) for name in units]
+    root_modules = [module.get_submodule(name) for name in roots or ()]
     apply_activation_checkpointing_to(module, checkpoint_layers)
     outer = {id(m._checkpoint_wrapped_module): m for m in module.modules()
              if hasattr(m, '_checkpoint_wrapped_module')}
@@ -158,13 +164,14 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, policy: Optional[WrapPolicy
         shard(outer.get(id(target), target), reshard_after_forward=reshard_after_forward)
     # The root's parameters are needed first in backward: like torch's default,
     # keep them gathered after forward unless asked for ZeRO-2/groups explicitly.
-    shard(module, reshard_after_forward=None if reshard_after_forward is True
-          else reshard_after_forward)
+    for root in root_modules or [module]:
+        shard(outer.get(id(root), root), reshard_after_forward=None
+              if reshard_after_forward is True else reshard_after_forward)
     return units
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShard(DataParallelSteps, nn.Module):
+class MMFullyShard(DataParallelSteps, ModelHolder):
     """Fully sharded data parallel with torch's ``fully_shard`` (FSDP2).
 
     The model is sharded in place: parameters become DTensors sharded over the
@@ -209,9 +216,13 @@ class MMFullyShard(DataParallelSteps, nn.Module):
         if on_meta and cfg.init_device != 'meta':
             raise ValueError("the model is on the meta device; set init_device='meta' in the "
                              'wrapper config to materialise it after sharding')
+        # A model with its own steps calls its children directly: each is its own root.
+        roots = separate_roots(module, 'mmfsdp.MMFullyShard') if own_steps(module) else None
         self.units = shard_model(module, self.mesh, policy, checkpoint_layers,
                                  reshard_after_forward=cfg.reshard_after_forward,
-                                 mp_policy=cfg.mixed_precision, offload_policy=cfg.offload)
+                                 mp_policy=cfg.mixed_precision, offload_policy=cfg.offload,
+                                 roots=roots)
+        self._roots = [module.get_submodule(n) for n in roots] if roots else [module]
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
@@ -227,6 +238,8 @@ class MMFullyShard(DataParallelSteps, nn.Module):
         cfg.check_device(current_device())
         if module is not None:
             cfg.for_model(module)
+            if own_steps(module):
+                separate_roots(module, 'mmfsdp.MMFullyShard')
 
     @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
@@ -251,7 +264,8 @@ class MMFullyShard(DataParallelSteps, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded model's forward; gradients of the coming backward sync unless in no_sync."""
-        self.module.set_requires_gradient_sync(self._sync_gradients)
+        for root in self._roots:
+            root.set_requires_gradient_sync(self._sync_gradients)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -271,34 +285,3 @@ class MMFullyShard(DataParallelSteps, nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm; return that norm as a plain tensor."""
         return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
-
-    # The unwrapped model's names, for ``named_parameters()``, ``state_dict()`` and
-    # ``torch.distributed.checkpoint.state_dict``, which maps each name to a module
-    # path through ``_fqn_modifiers`` (it strips only DDP's and FSDP1's prefixes).
-    # With ``recurse=False`` the wrapper reports what it owns itself: nothing.
-
-    def named_parameters(self, prefix: str = '', recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """The sharded model's parameters under the unwrapped model's names."""
-        owner = self.module if recurse else super()
-        return owner.named_parameters(prefix=prefix, recurse=recurse,
-                                      remove_duplicate=remove_duplicate)
-
-    def named_buffers(self, prefix: str = '', recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
-        """The sharded model's buffers under the unwrapped model's names."""
-        owner = self.module if recurse else super()
-        return owner.named_buffers(prefix=prefix, recurse=recurse,
-                                   remove_duplicate=remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The sharded model's state dict, under the unwrapped model's keys."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
-        """Load a state dict keyed like the unwrapped model."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def _fqn_modifiers(self) -> Dict[str, str]:
-        return {name: 'module' for name, _ in self.module.named_children()}
