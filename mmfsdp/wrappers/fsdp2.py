@@ -27,6 +27,7 @@ from ..options import (
     MeshSpec,
     check_keys,
     reject_fsdp1_options,
+    resolve_flag,
     resolve_init_device,
     resolve_mesh,
     resolve_mp_policy,
@@ -72,6 +73,13 @@ class FullyShardConfig:
     activation_checkpointing: Optional[Mapping[str, Any]] = None
     #: ``'meta'``: build on the meta device, shard, then materialise each shard.
     init_device: Optional[str] = None
+    #: Reduce a zero gradient for every parameter that got none in this rank's
+    #: backward (as DDP's option of this name, and FSDP1 always): needed when
+    #: ranks use different parameters (a head used on some ranks only, MoE
+    #: experts); without it their reduce-scatters do not match. Costs the
+    #: zeros' communication. Every sharded unit must still run its forward on
+    #: every rank.
+    find_unused_parameters: bool = False
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> 'FullyShardConfig':
@@ -130,6 +138,7 @@ _RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
     mixed_precision=resolve_mp_policy,
     offload=resolve_offload_policy,
     init_device=resolve_init_device,
+    find_unused_parameters=lambda v: resolve_flag(v, 'model_wrapper_cfg.find_unused_parameters'),
 )
 
 
@@ -197,7 +206,8 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
             mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
             offload=dict(cpu_offload=False),
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
-            init_device=None)                      # 'meta': never hold the full model
+            init_device=None,                      # 'meta': never hold the full model
+            find_unused_parameters=False)          # True: ranks may use different params
     """
 
     #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
@@ -223,6 +233,9 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
                                  mp_policy=cfg.mixed_precision, offload_policy=cfg.offload,
                                  roots=roots)
         self._roots = [module.get_submodule(n) for n in roots] if roots else [module]
+        if cfg.find_unused_parameters:
+            for root in self._roots:
+                root.set_reduce_scatter_unused_params(True)
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
