@@ -1,6 +1,8 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
+import atexit
 from typing import Any, Dict, Mapping, Optional
 
+import torch.distributed as dist
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
@@ -27,6 +29,17 @@ __all__ = ['FSDPRunner']
 DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
 
 
+def _destroy_process_group() -> None:
+    """Tear down the group a runner started, before the interpreter's own teardown.
+
+    Left alive, gloo's threads and sockets are destroyed in no particular order
+    at exit, which sometimes aborts a finished job ("terminate called without an
+    active exception"). Runs at exit, after a normal end or an exception.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @RUNNERS.register_module()
 class FSDPRunner(CheckpointMixin, Runner):
     """A drop-in mmengine ``Runner`` that trains sharded models correctly.
@@ -37,7 +50,8 @@ class FSDPRunner(CheckpointMixin, Runner):
     - **Start-up on any device**: the process group is started with the
       device's backend (gloo on CPU, NCCL on CUDA) unless
       ``env_cfg.dist_cfg.backend`` names one; mmengine's ``init_dist`` would
-      call ``torch.cuda.set_device`` and fail on a CPU-only machine.
+      call ``torch.cuda.set_device`` and fail on a CPU-only machine. A group
+      the runner started is destroyed when the process exits.
     - **Fail fast**: ``model_wrapper_cfg`` is checked on every rank before the
       process group starts (and against the model once it is built), so a
       typo is an error everywhere, not a hang. Before the first collective
@@ -86,6 +100,7 @@ class FSDPRunner(CheckpointMixin, Runner):
                                                                self._wrapper_cfg)
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'))
+            atexit.register(_destroy_process_group)
         super().setup_env(env_cfg)
 
     def _model_wrapper_config(self) -> Dict[str, Any]:
