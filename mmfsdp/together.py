@@ -13,14 +13,15 @@ rank raises, the failing one its own exception, the others
         if rank == 0:
             torch.save(checkpoint, path)
 
-``wait_s`` bounds how long the others wait for a slow but healthy rank; it
-is separate from the process group's timeout, which is sized for collectives,
-not for writing a multi-GB file. A rank that dies meanwhile fails the others at
-once (its connections close), whatever ``wait_s`` is.
+``wait_s`` bounds how long the others wait for a slow but healthy rank (the
+exchange then runs in a gloo group with that timeout); it is separate from the
+process group's timeout, which is sized for collectives, not for writing a
+multi-GB file. A rank that dies meanwhile fails the others at once (its
+connections close), whatever ``wait_s`` is.
 """
 import contextlib
 import datetime
-from typing import Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,22 +36,26 @@ class PeerFailure(RuntimeError):
     """Another rank failed in a section that every rank leaves together."""
 
 
-_GROUPS = {}
+_GROUPS: Dict[Tuple[Any, Optional[float]], Optional[dist.ProcessGroup]] = {}
 
 
-def control_group() -> Optional[dist.ProcessGroup]:
-    """A gloo group over all ranks (the default group when it is gloo), for CPU messages.
+def control_group(timeout_s: Optional[float] = None) -> Optional[dist.ProcessGroup]:
+    """A gloo group over all ranks for small CPU messages; ``None`` means the default group.
 
-    ``monitored_barrier`` (a barrier with its own timeout) exists only in gloo;
-    with another backend, one gloo group is created at the first call, which
-    every rank makes at the same point.
+    With ``timeout_s``, a gloo group whose collectives wait that long (the
+    default group's timeout is sized for collectives, not for a slow save).
+    Groups are created at the first call, which every rank makes at the same
+    point, and reused.
     """
-    if dist.get_backend() == 'gloo':
-        return None
     default = dist.distributed_c10d._get_default_group()  # why: one side group per default group
-    if default not in _GROUPS:
-        _GROUPS[default] = dist.new_group(backend='gloo')
-    return _GROUPS[default]
+    key = (default, timeout_s)
+    if key not in _GROUPS:
+        if timeout_s is None and dist.get_backend() == 'gloo':
+            _GROUPS[key] = None
+        else:
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            _GROUPS[key] = dist.new_group(backend='gloo', timeout=timeout)
+    return _GROUPS[key]
 
 
 def _failed_ranks(failed: bool, group: Optional[dist.ProcessGroup]) -> List[int]:
@@ -84,11 +89,8 @@ def fail_together(what: str, wait_s: Optional[float] = None) -> Iterator[None]:
         yield
     except Exception as e:  # noqa: BLE001 - every rank must hear about any failure
         error = e
-    group = control_group()
+    group = control_group(wait_s)
     try:
-        if wait_s is not None:
-            dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=wait_s),
-                                   wait_all_ranks=True)
         failed = _failed_ranks(error is not None, group)
         messages: List[Optional[str]] = [None] * dist.get_world_size()
         if failed:

@@ -209,3 +209,33 @@ def test_sigkill_of_one_rank_mid_step_fails_the_other_at_once(ranks):
     assert outcome['type'] is not None and outcome['message'], outcome
     assert 'SIGKILL mid-step' not in ranks[1]
     assert _wall(ranks, 'SIGKILL mid-step') < BOUND_S
+
+
+#: The process-group timeout of the slow-save case, and how long its save takes.
+SHORT_TIMEOUT_S, SLOW_SAVE_S = 8, 16
+
+
+class _SlowSave(Hook):
+    """A healthy save that takes longer than the process-group timeout (a slow disk)."""
+
+    def before_save_checkpoint(self, runner, checkpoint) -> None:
+        if runner.rank == 0:
+            time.sleep(SLOW_SAVE_S)  # the fault under test is slowness itself
+
+
+def _slow_save(root: str) -> dict:
+    from mmfsdp.dist import init_distributed
+    init_distributed('pytorch', dict(timeout=SHORT_TIMEOUT_S))
+    runner = _runner('slow', root, FSDP, checkpoint='full', env_cfg=dict())
+    runner.register_hook(_SlowSave())
+    start = time.monotonic()
+    runner.train()
+    return dict(iter=runner.iter, wall=time.monotonic() - start,
+                saved=os.path.isfile(f'{root}/slow/iter_2.pth'))
+
+
+def test_slow_healthy_save_outlives_the_collective_timeout(tmp_path):
+    results = run_distributed(_slow_save, 2, str(tmp_path))
+    for result in results:
+        assert result['iter'] == 2 and result['saved']
+        assert result['wall'] > SLOW_SAVE_S > 2 * SHORT_TIMEOUT_S - 1
