@@ -7,7 +7,7 @@ and mmengine-style wrappers hold the model as their child ``module``, FSDP1 as
 that owns it is such a wrapper, so a model's own child called ``module``
 (``BaseTTAModel.module``, containers, user code) keeps its name.
 """
-from typing import Dict, Iterator, Set, Tuple
+from typing import Any, Dict, Iterator, Set, Tuple
 
 from mmengine.model import is_model_wrapper
 from torch import nn
@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['model_state_names', 'unwrapped_name', 'unwrapped_named_parameters',
+__all__ = ['for_tta_model', 'model_state_names', 'unwrapped_name', 'unwrapped_named_parameters',
            'unwrapped_param_names']
 
 #: The child name torch's FSDP1 gives the module it wraps.
@@ -56,6 +56,18 @@ def model_state_names(model: nn.Module) -> Set[str]:
     """The names of the parameters and buffers of ``model``, as the unwrapped model's."""
     buffers = (unwrapped_name(model, n) for n, _ in nn.Module.named_buffers(model))
     return set(unwrapped_param_names(model).values()).union(buffers)
+
+
+def for_tta_model(state: Dict[str, Any], names: Set[str]) -> Dict[str, Any]:
+    """``state`` of a plain model, keyed for a ``BaseTTAModel`` around it if that is the model.
+
+    ``names`` are the model's (:func:`model_state_names`). mmengine's loader
+    treats ``BaseTTAModel`` as transparent: a checkpoint of the plain model
+    loads into its ``module``.
+    """
+    if any(k in names for k in state) or not any(f'module.{k}' in names for k in state):
+        return state
+    return {f'module.{k}': v for k, v in state.items()}
 
 
 def _inserted_by_wrapper(parent: nn.Module, child: str) -> bool:

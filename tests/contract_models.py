@@ -5,19 +5,21 @@
 - ``ModuleNamedClassifier``: children called ``module`` at two depths, the
   name DDP and mmfsdp's wrappers use for their own child;
 - ``ToyGAN``: its own ``train_step`` with an ``OptimWrapperDict`` (built by
-  ``PerChildOptimConstructor``) and its own ``val_step`` / ``test_step``.
+  ``PerChildOptimConstructor``) and its own ``val_step`` / ``test_step``;
+- ``ToyTTAModel`` over ``ToyTTADataset`` with ``ToyScales``: ``--tta``.
 """
 import copy
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from mmengine.model import BaseModel, is_model_wrapper
+from mmengine.dataset import Compose
+from mmengine.model import BaseModel, BaseTTAModel, is_model_wrapper
 from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapperDict, build_optim_wrapper
-from mmengine.registry import MODELS, OPTIM_WRAPPER_CONSTRUCTORS
+from mmengine.registry import DATASETS, MODELS, OPTIM_WRAPPER_CONSTRUCTORS, TRANSFORMS
 from torch import nn
 
-from toy import IN_DIM, ToyClassifier
+from toy import IN_DIM, ToyClassifier, ToyDataset
 
 
 @MODELS.register_module()
@@ -154,3 +156,37 @@ class ToyGAN(BaseModel):
 
     def test_step(self, data: Any) -> list:
         return self.val_step(data)
+
+
+@TRANSFORMS.register_module()
+class ToyScales:
+    """Test-time augmentation of ``ToyTTADataset`` items: the inputs at several scales."""
+
+    def __init__(self, scales: List[float]) -> None:
+        self.scales = scales
+
+    def __call__(self, item: dict) -> dict:
+        return dict(inputs=[item['inputs'] * s for s in self.scales],
+                    data_samples=[item['data_samples']] * len(self.scales))
+
+
+@DATASETS.register_module()
+class ToyTTADataset(ToyDataset):
+    """``ToyDataset`` with a ``pipeline`` (empty: the plain item), for ``tta_pipeline``."""
+
+    def __init__(self, pipeline: Sequence[dict] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pipeline = Compose(list(pipeline))
+
+    def __getitem__(self, i: int) -> dict:
+        return self.pipeline(super().__getitem__(i))
+
+
+@MODELS.register_module()
+class ToyTTAModel(BaseTTAModel):
+    """Averages the negative log-likelihood over the augmentations; votes for correctness."""
+
+    def merge_preds(self, data_samples_list: List[List[dict]]) -> List[dict]:
+        return [dict(nll=sum(float(p['nll']) for p in preds) / len(preds),
+                     correct=float(sum(float(p['correct']) for p in preds) * 2 > len(preds)))
+                for preds in data_samples_list]

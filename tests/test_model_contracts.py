@@ -4,6 +4,7 @@ All scenarios run in one 2-process gloo group; each is compared with mmengine's
 *stock* ``Runner`` on one process (global batch, no mmfsdp code).
 """
 import copy
+import os
 from typing import Optional
 
 import contract_models  # noqa: F401  (registers the models)
@@ -97,6 +98,20 @@ def _train_named(root: str, run: str, wrapper: Optional[dict], world_size: int, 
     return dict(state=_full_state(runner.model), iter=runner.iter)
 
 
+TTA = dict(tta_model=dict(type='ToyTTAModel'),
+           tta_pipeline=[dict(type='ToyScales', scales=[1.0, 0.5, 2.0])])
+
+
+def _tta_config(root: str, run: str, checkpoint: str, **kwargs) -> Config:
+    """``tools/test.py --tta`` of the toy classifier at ``checkpoint``."""
+    from mmfsdp.tta import tta_config
+    cfg = _config(run, root, dict(type='ToyClassifier'), ADAMW, val=True,
+                  batch_size=PER_RANK_BATCH, **kwargs)
+    cfg['test_dataloader']['dataset']['type'] = 'ToyTTADataset'
+    cfg.update(TTA, load_from=checkpoint)
+    return tta_config(Config(cfg))
+
+
 def _run_all(root: str) -> dict:
     from mmfsdp import FSDPRunner
     results = {}
@@ -123,6 +138,11 @@ def _run_all(root: str) -> dict:
         results['gan/refused'] = None
     except ValueError as e:
         results['gan/refused'] = str(e)
+    for wrapper, wrapper_cfg in WRAPPERS.items():
+        runner = FSDPRunner.from_cfg(_tta_config(root, f'tta-{wrapper}', f'{root}/tta.pth',
+                                                 wrapper=wrapper_cfg))
+        results[f'tta/{wrapper}'] = dict(test=runner.test(),
+                                         model=type(runner.model.module).__name__)
     for wrapper, kind in NAMED_CHECKPOINTS.items():
         run = f'named-{wrapper}'
         results[f'named/{wrapper}'] = _train_named(root, run, WRAPPERS[wrapper], 2, kind)
@@ -135,7 +155,19 @@ def _run_all(root: str) -> dict:
 @pytest.fixture(scope='module')
 def distributed(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp('dist'))
+    _train_tta_checkpoint(f'{root}/tta.pth')
     return dict(run_distributed(_run_all, WORLD_SIZE, root)[0], root=root)
+
+
+def _train_tta_checkpoint(path: str) -> None:
+    """A few steps of the toy classifier, saved as a full mmfsdp checkpoint at ``path``."""
+    from mmfsdp import FSDPRunner
+    cfg = _config('tta-train', os.path.dirname(path), dict(type='ToyClassifier'), ADAMW,
+                  launcher='none', batch_size=PER_RANK_BATCH * WORLD_SIZE, max_iters=4)
+    cfg['runner_type'] = 'mmfsdp.FSDPRunner'
+    runner = FSDPRunner.from_cfg(Config(cfg))
+    runner.train()
+    runner.save_checkpoint(os.path.dirname(path), os.path.basename(path))
 
 
 @pytest.fixture(scope='module')
@@ -232,3 +264,17 @@ def test_ddp_over_a_model_with_own_train_step_is_refused(distributed):
     message = distributed['gan/refused']
     assert message is not None, 'mmfsdp.MMDistributedDataParallel trained a GAN it cannot sync'
     assert 'MMSeparateDistributedDataParallel' in message and 'train_step' in message
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_tta_equals_one_process(wrapper, distributed, tmp_path_factory):
+    """``--tta``: a ``BaseTTAModel`` around the model, loaded from a plain checkpoint."""
+    root = str(distributed['root'])
+    runner = Runner.from_cfg(_tta_config(str(tmp_path_factory.mktemp('tta')), 'tta-ref',
+                                         f'{root}/tta.pth', launcher='none'))
+    expected = runner.test()
+    got = distributed[f'tta/{wrapper}']
+    assert got['model'] == 'ToyTTAModel'
+    assert sorted(got['test']) == ['accuracy', 'nll']
+    assert got['test']['nll'] == pytest.approx(expected['nll'], abs=TOL)
+    assert got['test']['accuracy'] == expected['accuracy']

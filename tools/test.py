@@ -1,7 +1,7 @@
 """Evaluate a checkpoint with the test loop of an mmengine config.
 
 Usage:
-    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR]
+    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--tta]
         [--cfg-options KEY=VALUE ...] [--launcher {none,pytorch,slurm,mpi}]
 
 Distributed runs go through ``tools/dist_test.sh``. This script never
@@ -17,6 +17,7 @@ from mmengine.runner import Runner
 
 # Importing mmfsdp fills its registries (models, datasets, wrappers, runner).
 import mmfsdp  # noqa: F401
+from mmfsdp.tta import tta_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -28,6 +29,10 @@ def parse_args() -> argparse.Namespace:
         '--work-dir',
         help='directory for the evaluation logs; default '
         './work_dirs/<config name>')
+    parser.add_argument(
+        '--tta',
+        action='store_true',
+        help='test-time augmentation: test the config\'s tta_model on its tta_pipeline')
     parser.add_argument(
         '--cfg-options',
         nargs='+',
@@ -65,6 +70,8 @@ def main() -> None:
                                 osp.splitext(osp.basename(args.config))[0])
 
     cfg.load_from = args.checkpoint
+    if args.tta:
+        cfg = tta_config(cfg)
 
     if 'runner_type' in cfg:
         runner = RUNNERS.build(cfg)

@@ -14,7 +14,7 @@ import mmengine
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
-from ..names import model_state_names
+from ..names import for_tta_model, model_state_names
 from ..together import fail_together
 from .durable import remove_stale_temporaries
 from .hook import CheckpointHook
@@ -148,6 +148,7 @@ class CheckpointMixin:
             for pattern, replacement in revise_keys:
                 state = {k if k in own else re.sub(pattern, replacement, k): v
                          for k, v in state.items()}
+            state = for_tta_model(state, own)
             missing, unexpected = load_full_model_state(self.model, state, strict)
             if missing or unexpected:
                 self.logger.warning(f'Loaded {filename} with missing keys {missing} and '
