@@ -1,0 +1,6 @@
+"""The optional zoo tier: ``pytest -m zoo tests/zoo`` (see the README, "Tests")."""
+import sys
+from pathlib import Path
+
+# harness.py and the shared job runner live one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

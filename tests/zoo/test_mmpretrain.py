@@ -1,0 +1,203 @@
+"""mmpretrain's own ``tools/train.py`` and ``tools/test.py`` under mmfsdp's three wrappers.
+
+A real third-party model zoo, run the way its users run it: a small
+``VisionTransformer`` and a ResNet-18 ``ImageClassifier`` over generated PNGs
+(``CustomDataset``), with ``EMAHook`` and ``Accuracy``. The config is
+mmpretrain's own; mmfsdp adds only ``runner_type``, ``model_wrapper_cfg``,
+``custom_imports`` and the backend. Each 2-rank job (torchrun) is compared with
+mmpretrain's stock one-process run of the same global batch: final weights
+(EMA swapped in, as the stock hook saves them) within 2e-5, and the test
+accuracy equal.
+
+BatchNorm: with per-rank batches each rank normalises by its own batch
+statistics, so a ResNet trained in training-mode BN differs from one process
+by more than rounding. The ResNet runs here use ``norm_eval=True`` (BN in eval
+mode, fixed statistics), where the difference vanishes; ``sync_bn='torch'``
+removes it too on GPUs (torch's SyncBatchNorm has no CPU kernel).
+
+Needs ``pip install mmpretrain==1.2.0 mmcv-lite==2.2.0`` and a torchvision
+that imports beside the installed torch; skipped, with the reason, otherwise.
+Marked ``zoo``: excluded from the default run, select it with ``-m zoo``.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from harness import free_port
+
+pytestmark = pytest.mark.zoo
+
+
+def _import_zoo():
+    try:
+        import mmpretrain
+        import torchvision  # noqa: F401
+    except Exception as e:  # torchvision built for another torch fails with RuntimeError too
+        pytest.skip(f'mmpretrain / torchvision cannot be imported here: {type(e).__name__}: {e}',
+                    allow_module_level=True)
+    tools = Path(mmpretrain.__file__).parent / '.mim' / 'tools'
+    if not (tools / 'train.py').exists():
+        pytest.skip(f'mmpretrain is installed without its tools ({tools}/train.py); install '
+                    'the wheel from PyPI or a source checkout with `pip install .`',
+                    allow_module_level=True)
+    return tools
+
+
+TOOLS = _import_zoo()
+REPO = Path(__file__).resolve().parents[2]
+TOL = 2e-5
+JOB_TIMEOUT_S = 900
+IMAGES_PER_CLASS, SIZE, GLOBAL_BATCH = 16, 32, 8
+TOP1 = re.compile(r'accuracy/top1: ([0-9.]+)')
+
+VIT = dict(
+    type='ImageClassifier',
+    backbone=dict(type='VisionTransformer', img_size=SIZE, patch_size=8,
+                  arch=dict(embed_dims=64, num_layers=2, num_heads=2, feedforward_channels=128)),
+    neck=None,
+    head=dict(type='VisionTransformerClsHead', num_classes=2, in_channels=64,
+              loss=dict(type='CrossEntropyLoss', loss_weight=1.0)))
+RESNET = dict(
+    type='ImageClassifier',
+    backbone=dict(type='ResNet', depth=18, num_stages=4, out_indices=(3, ), style='pytorch',
+                  norm_eval=True),
+    neck=dict(type='GlobalAveragePooling'),
+    head=dict(type='LinearClsHead', num_classes=2, in_channels=512,
+              loss=dict(type='CrossEntropyLoss', loss_weight=1.0), topk=(1, )))
+MODELS = dict(vit=(VIT, ['TransformerEncoderLayer']), resnet18=(RESNET, ['BasicBlock']))
+WRAPPERS = dict(
+    fsdp1='mmfsdp.MMFullyShardedDataParallel', fsdp2='mmfsdp.MMFullyShard',
+    ddp='mmfsdp.MMDistributedDataParallel')
+
+
+def _write_pngs(root: Path) -> None:
+    """Two classes told apart by brightness, with noise: ``root/{train,test}/{dark,bright}``."""
+    from PIL import Image
+    gen = torch.Generator().manual_seed(0)
+    for split in ('train', 'test'):
+        for label, name in enumerate(('dark', 'bright')):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(IMAGES_PER_CLASS):
+                pixels = (64 + 128 * label + 40 * torch.randn(SIZE, SIZE, 3, generator=gen))
+                Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy()).save(
+                    folder / f'{i}.png')
+
+
+def _config(data_root: Path, model: dict, per_rank_batch: int) -> str:
+    """mmpretrain's config text: model, CustomDataset, EMAHook, Accuracy."""
+    pipeline = [dict(type='LoadImageFromFile'), dict(type='PackInputs')]
+
+    def loader(split: str, shuffle: bool) -> dict:
+        return dict(batch_size=per_rank_batch, num_workers=0,
+                    dataset=dict(type='CustomDataset', data_root=str(data_root),
+                                 data_prefix=split, pipeline=pipeline),
+                    sampler=dict(type='DefaultSampler', shuffle=shuffle, seed=0))
+
+    cfg = dict(
+        default_scope='mmpretrain',
+        model=model,
+        data_preprocessor=dict(num_classes=2, mean=[127.5] * 3, std=[127.5] * 3, to_rgb=True),
+        train_dataloader=loader('train', True),
+        val_dataloader=loader('test', False), val_evaluator=dict(type='Accuracy', topk=(1, )),
+        test_dataloader=loader('test', False), test_evaluator=dict(type='Accuracy', topk=(1, )),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.0)),
+        train_cfg=dict(by_epoch=True, max_epochs=2, val_interval=2), val_cfg=dict(),
+        test_cfg=dict(),
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=2),
+                           logger=dict(type='LoggerHook', interval=1)),
+        custom_hooks=[dict(type='EMAHook', momentum=0.1, priority='ABOVE_NORMAL')],
+        randomness=dict(seed=0),
+        log_level='INFO',
+    )
+    return '\n'.join(f'{k} = {v!r}' for k, v in cfg.items()) + '\n'
+
+
+def _mmfsdp_additions(wrapper: str, layer_cls: List[str]) -> str:
+    """The only lines mmfsdp adds to the config."""
+    cfg = dict(type=wrapper)
+    if wrapper != 'mmfsdp.MMDistributedDataParallel':
+        cfg['auto_wrap_policy'] = dict(type='transformer', layer_cls=layer_cls)
+    return (f"runner_type = 'mmfsdp.FSDPRunner'\nmodel_wrapper_cfg = {cfg!r}\n"
+            "custom_imports = dict(imports=['mmfsdp'], allow_failed_imports=False)\n"
+            "env_cfg = dict(dist_cfg=dict(backend='gloo'))\n")
+
+
+def _run(cmd: List[str]) -> str:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}
+    env.update(OMP_NUM_THREADS='1', PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s:\n{out[-6000:]}')
+    assert proc.returncode == 0, f'{cmd} failed:\n{out[-6000:]}'
+    return out
+
+
+def _torchrun(script: str, *args: str) -> List[str]:
+    return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
+            '--master_port', str(free_port()), str(TOOLS / script), *args,
+            '--launcher', 'pytorch']
+
+
+def _weights(path: Path) -> dict:
+    state = torch.load(path, map_location='cpu', weights_only=False)['state_dict']
+    return {k: v.float() for k, v in state.items() if v.is_floating_point()}
+
+
+@pytest.fixture(scope='module')
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp('pngs')
+    _write_pngs(root)
+    return root
+
+
+@pytest.fixture(scope='module')
+def stock(data_root, tmp_path_factory):
+    """mmpretrain's tools/train.py and test.py on one process, no mmfsdp; memoised per model."""
+    cache = {}
+
+    def run(model: str) -> dict:
+        if model not in cache:
+            work = tmp_path_factory.mktemp(f'stock-{model}')
+            cfg = work / 'cfg.py'
+            cfg.write_text(_config(data_root, MODELS[model][0], GLOBAL_BATCH))
+            _run([sys.executable, str(TOOLS / 'train.py'), str(cfg), '--work-dir', str(work)])
+            out = _run([sys.executable, str(TOOLS / 'test.py'), str(cfg),
+                        str(work / 'epoch_2.pth'), '--work-dir', str(work / 'test')])
+            cache[model] = dict(weights=_weights(work / 'epoch_2.pth'),
+                                top1=float(TOP1.findall(out)[-1]))
+        return cache[model]
+
+    return run
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+@pytest.mark.parametrize('model', list(MODELS))
+def test_mmpretrain_tools_equal_one_process(model, wrapper, data_root, stock, tmp_path):
+    model_cfg, layer_cls = MODELS[model]
+    cfg = tmp_path / 'cfg.py'
+    cfg.write_text(_config(data_root, model_cfg, GLOBAL_BATCH // 2)
+                   + _mmfsdp_additions(WRAPPERS[wrapper], layer_cls))
+    _run(_torchrun('train.py', str(cfg), '--work-dir', str(tmp_path)))
+    out = _run(_torchrun('test.py', str(cfg), str(tmp_path / 'epoch_2.pth'),
+                         '--work-dir', str(tmp_path / 'test')))
+    ref = stock(model)
+    got = _weights(tmp_path / 'epoch_2.pth')
+    assert sorted(got) == sorted(ref['weights'])
+    diff = max((got[k] - ref['weights'][k]).abs().max().item() for k in got)
+    print(f'{model}/{wrapper}: max abs diff {diff:.2e}')
+    assert diff <= TOL
+    assert float(TOP1.findall(out)[-1]) == ref['top1']
