@@ -14,11 +14,12 @@ Config (what ``tools/train.py --amp`` selects)::
                          optimizer=dict(type='AdamW', lr=1e-3))
 """
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
 from mmengine.optim import OptimWrapper
+from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -27,7 +28,7 @@ from .dist import current_device
 from .options import check_keys, resolve_dtype
 from .registry import OPTIM_WRAPPERS
 
-__all__ = ['AmpOptimWrapper']
+__all__ = ['AmpOptimWrapper', 'replace_stock_amp']
 
 _SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')
 
@@ -84,3 +85,33 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper):
         with OptimWrapper.optim_context(self, model), torch.autocast(
                 self._device.type, dtype=self.cast_dtype):
             yield
+
+
+def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
+    """Whether ``cfg['type']`` is mmengine's ``AmpOptimWrapper``, looked up as mmengine would."""
+    kind = cfg.get('type')
+    if isinstance(kind, str):
+        with MMENGINE_OPTIM_WRAPPERS.switch_scope_and_registry(cfg.get('_scope_')) as registry:
+            kind = registry.get(kind)
+    return kind is MMEngineAmpOptimWrapper
+
+
+def replace_stock_amp(optim_wrapper: Any) -> Tuple[Any, List[str]]:
+    """An ``optim_wrapper`` config with mmengine's ``AmpOptimWrapper`` replaced by this one.
+
+    Third-party ``tools/train.py --amp`` sets ``type='AmpOptimWrapper'``, which
+    in mmengine's scope is the CUDA-only wrapper. Returns a copy (the caller's
+    config is not changed) and the config keys that were replaced; per-optimizer
+    dicts of a multi-optimizer config are replaced too. ``use_fsdp`` is dropped:
+    the scaler follows the wrapped model by itself (:meth:`AmpOptimWrapper.bind_model`).
+    """
+    if not isinstance(optim_wrapper, Mapping):
+        return optim_wrapper, []
+    if _is_stock_amp(optim_wrapper):
+        options = {k: v for k, v in optim_wrapper.items() if k not in ('use_fsdp', '_scope_')}
+        return dict(options, type=AmpOptimWrapper), ['optim_wrapper.type']
+    replaced = {name: replace_stock_amp(sub)[0] for name, sub in optim_wrapper.items()
+                if isinstance(sub, Mapping) and 'type' in sub and _is_stock_amp(sub)}
+    if not replaced:
+        return optim_wrapper, []
+    return dict(optim_wrapper, **replaced), [f'optim_wrapper.{name}.type' for name in replaced]

@@ -15,6 +15,8 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .startup import check_backend
+
 __all__ = ['current_device', 'default_backend', 'init_distributed']
 
 LAUNCHERS = ('pytorch', 'slurm', 'mpi')
@@ -73,6 +75,7 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
         raise ValueError(f'launcher: {launcher!r} is not valid; choose one of {LAUNCHERS}')
     kwargs = dict(dist_cfg or {})
     kwargs.pop('init_backend', None)
+    check_backend(kwargs.get('backend'))
     timeout = kwargs.pop('timeout', None)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):

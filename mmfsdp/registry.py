@@ -7,6 +7,12 @@ mmengine's stock code paths (``Runner.wrap_model``, ``RUNNERS.build``,
 prefix makes mmengine import this module, and ``locations`` make each registry
 import the modules that fill it.
 
+The other registries (loops, samplers, schedulers, functions, ...) hold
+nothing of ours; they exist so that a dict built in the ``mmfsdp`` scope finds
+its class in mmengine's registry without a warning, as in every OpenMMLab
+package. A config that inherits ours through ``mmfsdp::`` has ``_scope_='mmfsdp'``
+in every inherited dict with a ``type``.
+
 ``FSDP_WRAP_POLICIES`` has no mmengine parent: it holds the auto-wrap policies
 that the FSDP wrappers resolve ``auto_wrap_policy=dict(type=...)`` against.
 
@@ -14,6 +20,7 @@ Importing this module also lets configs of other projects inherit ours with
 ``_base_ = ['mmfsdp::_base_/models/gpt_nano.py']`` (see
 :func:`register_config_package`).
 """
+from mmengine import registry as mmengine_registry
 from mmengine.config.utils import MODULE2PACKAGE
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
@@ -52,6 +59,17 @@ DATASETS = Registry(
 METRICS = Registry(
     'metric', parent=MMENGINE_METRICS, scope=SCOPE,
     locations=['mmfsdp'])
+
+#: mmengine's other root registries, by name: children with nothing of ours in them.
+_EMPTY_CHILDREN = ('RUNNER_CONSTRUCTORS', 'LOOPS', 'STRATEGIES', 'DATA_SAMPLERS', 'TRANSFORMS',
+                   'WEIGHT_INITIALIZERS', 'OPTIMIZERS', 'OPTIM_WRAPPER_CONSTRUCTORS',
+                   'PARAM_SCHEDULERS', 'EVALUATOR', 'TASK_UTILS', 'VISUALIZERS', 'VISBACKENDS',
+                   'LOG_PROCESSORS', 'INFERENCERS', 'FUNCTIONS')
+_CHILDREN = {
+    name: Registry(getattr(mmengine_registry, name).name, parent=getattr(mmengine_registry, name),
+                   scope=SCOPE, locations=['mmfsdp'])
+    for name in _EMPTY_CHILDREN
+}
 
 FSDP_WRAP_POLICIES = Registry(
     'fsdp wrap policy', scope=SCOPE, locations=['mmfsdp'])

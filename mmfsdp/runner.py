@@ -1,6 +1,6 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import atexit
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch.distributed as dist
 from mmengine.dist import is_distributed, is_main_process
@@ -10,15 +10,20 @@ from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
+from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .clip import is_sharded
 from .dist import current_device, init_distributed
 from .meta_init import build_on_meta, wants_meta_init
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
+from .options import wrapper_options
 from .plan import format_plan, plan_for, plan_warnings
 from .registry import RUNNERS
+from .scope import without_collate_scope
+from .startup import check_launcher
 from .together import fail_together
 from .wrappers import MMDistributedDataParallel
 from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
@@ -92,9 +97,12 @@ class FSDPRunner(CheckpointMixin, Runner):
     """
 
     def setup_env(self, env_cfg: Dict) -> None:
-        """Check the wrapper config, then start the process group for this device."""
-        self._wrapper_cfg = self._model_wrapper_config()
-        self._wrapper_cls = resolve_wrapper_type(self._wrapper_cfg)
+        """Check the launcher and the wrapper config, then start the process group."""
+        check_launcher(self.launcher)
+        cfg = self._model_wrapper_config()
+        self._wrapper_cls = resolve_wrapper_type(cfg, self.cfg.get('default_scope', 'mmengine'))
+        # Built from the class found here, so what was checked is what is built.
+        self._wrapper_cfg = dict(wrapper_options(cfg), type=self._wrapper_cls)
         check_wrapper_config(self._wrapper_cls, self._wrapper_cfg)
         self._meta_init = self.distributed and wants_meta_init(self._wrapper_cls,
                                                                self._wrapper_cfg)
@@ -111,6 +119,32 @@ class FSDPRunner(CheckpointMixin, Runner):
         if 'type' not in cfg:  # as mmengine: options of the default DDP wrapper
             return dict(type=DEFAULT_WRAPPER, **cfg)
         return dict(cfg)
+
+    @staticmethod
+    def build_dataloader(dataloader: Union[DataLoader, Dict], seed: Optional[int] = None,
+                         diff_rank_seed: bool = False) -> DataLoader:
+        """The stock dataloader, also from a config that inherits ours (``_scope_`` keys).
+
+        mmengine passes every key of ``collate_fn`` but ``type`` to the function,
+        so the ``_scope_`` it adds to inherited dicts reached ``default_collate``
+        as a keyword; here the function is looked up in that scope instead.
+        """
+        return Runner.build_dataloader(without_collate_scope(dataloader), seed, diff_rank_seed)
+
+    def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        """The stock build; mmengine's ``AmpOptimWrapper`` becomes ``mmfsdp.AmpOptimWrapper``.
+
+        mmengine's asserts CUDA and checks only the local shard for inf/nan;
+        ``tools/train.py --amp`` of OpenMMLab projects selects it. The
+        replacement takes the same arguments and is logged, as the stock
+        ``CheckpointHook`` becomes ``mmfsdp.CheckpointHook``.
+        """
+        optim_wrapper, replaced = replace_stock_amp(optim_wrapper)
+        for key in replaced:
+            self.logger.info(f"{key}: mmengine's AmpOptimWrapper replaced by "
+                             'mmfsdp.AmpOptimWrapper (runs on any device; loss scaling agrees '
+                             'across shards)')
+        return super().build_optim_wrapper(optim_wrapper)
 
     def build_model(self, model: Any) -> nn.Module:
         """Build the model; on the meta device under meta init."""

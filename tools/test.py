@@ -11,12 +11,13 @@ import argparse
 import os
 import os.path as osp
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
 # Importing mmfsdp fills its registries (models, datasets, wrappers, runner).
 import mmfsdp  # noqa: F401
+from mmfsdp.config import load_config
 from mmfsdp.tta import tta_config
 
 
@@ -58,7 +59,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Load the config, point it at the checkpoint, and run the test loop."""
     args = parse_args()
-    cfg = Config.fromfile(args.config)
+    cfg = load_config(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)

@@ -18,6 +18,7 @@ from mmengine.runner import Runner
 
 # Importing mmfsdp fills its registries (models, datasets, wrappers, runner).
 import mmfsdp  # noqa: F401
+from mmfsdp.config import load_config
 
 AMP_OPTIM_WRAPPER = 'mmfsdp.AmpOptimWrapper'
 
@@ -77,7 +78,7 @@ def enable_amp(cfg: Config) -> None:
 def main() -> None:
     """Load the config, apply the command-line overrides, and train."""
     args = parse_args()
-    cfg = Config.fromfile(args.config)
+    cfg = load_config(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)

@@ -20,6 +20,7 @@ from .common import (
     resolve_flag,
     resolve_module_classes,
     suggest,
+    wrapper_options,
 )
 from .fsdp1 import (
     resolve_backward_prefetch,
@@ -43,7 +44,7 @@ from .fsdp2 import (
 __all__ = [
     'check_keys', 'resolve_backward_prefetch', 'resolve_cpu_offload', 'resolve_dtype',
     'resolve_enum', 'resolve_flag', 'resolve_mixed_precision', 'resolve_module_classes',
-    'resolve_sharding_strategy', 'suggest', 'FSDP1_ONLY_OPTIONS', 'MeshSpec', 'NODE',
-    'reject_fsdp1_options', 'resolve_init_device', 'resolve_mesh', 'resolve_mp_policy',
+    'resolve_sharding_strategy', 'suggest', 'wrapper_options', 'FSDP1_ONLY_OPTIONS', 'MeshSpec',
+    'NODE', 'reject_fsdp1_options', 'resolve_init_device', 'resolve_mesh', 'resolve_mp_policy',
     'resolve_offload_policy', 'resolve_reshard_after_forward', 'translate_sharding_strategy'
 ]

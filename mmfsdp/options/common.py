@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 __all__ = ['check_keys', 'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum',
-           'resolve_flag', 'resolve_module_classes', 'suggest']
+           'resolve_flag', 'resolve_module_classes', 'suggest', 'wrapper_options']
 
 E = TypeVar('E', bound=enum.Enum)
 
@@ -21,6 +21,17 @@ _DTYPES = {
     'float32': torch.float32,
     'float': torch.float32,
 }
+
+#: Keys of a ``model_wrapper_cfg`` that are no keyword of the wrapper: its class, and the
+#: registry scope mmengine adds to every dict with a ``type`` that a config inherits from
+#: another package (``_base_ = ['mmfsdp::...']`` gives ``_scope_='mmfsdp'``).
+NOT_WRAPPER_OPTIONS = ('type', '_scope_')
+
+
+def wrapper_options(cfg: Mapping[str, Any]) -> dict:
+    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``."""
+    return {k: v for k, v in cfg.items() if k not in NOT_WRAPPER_OPTIONS}
+
 
 def suggest(value: Any, choices: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``''``."""

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
+from ..options import wrapper_options
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
 from .spec import Padding, ShardingSpec
@@ -28,7 +29,7 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     if describe is None:
         raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
                         "mmfsdp's wrappers")
-    options = {k: v for k, v in wrapper_cfg.items() if k != 'type'}
+    options = wrapper_options(wrapper_cfg)
     spec = describe(options, model, world_size)
     return make_plan(model, spec, world_size,
                      optimizer_states_per_param(dict(optimizer_cfg or {})))

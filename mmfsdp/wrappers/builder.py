@@ -1,14 +1,30 @@
-"""Find and check a ``model_wrapper_cfg`` before anything is built."""
+"""Find and check a ``model_wrapper_cfg`` before anything is built.
+
+The wrapper class is looked up as mmengine's ``MODEL_WRAPPERS.build`` would:
+in the registry of the dict's ``_scope_`` (which mmengine adds when a config
+inherits ours through ``mmfsdp::``) or else of the config's ``default_scope``.
+So ``type='MMFullyShardedDataParallel'`` means mmfsdp's wrapper in the
+``mmfsdp`` scope and mmengine's anywhere else. mmengine's FSDP wrapper is
+refused, with the name to write instead: ``FSDPRunner`` shards with mmfsdp's
+wrappers only, and mmengine's takes other options and needs an accelerator.
+mmengine's DDP wrapper is accepted: under ``FSDPRunner`` it trains like
+``mmfsdp.MMDistributedDataParallel``.
+"""
 import inspect
 from typing import Any, Mapping, Optional
 
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ..options import check_keys, suggest
+from ..options import check_keys, suggest, wrapper_options
 from ..registry import MODEL_WRAPPERS
 
 __all__ = ['check_wrapper_config', 'registered_wrapper_names', 'resolve_wrapper_type']
+
+#: What to write instead of a wrapper of mmengine that FSDPRunner cannot drive.
+_INSTEAD = ("type='mmfsdp.MMFullyShardedDataParallel' (FSDP1) or type='mmfsdp.MMFullyShard' "
+            '(FSDP2), with the options in the README')
 
 
 def registered_wrapper_names() -> list:
@@ -18,14 +34,33 @@ def registered_wrapper_names() -> list:
         f'{MODEL_WRAPPERS.scope}.{n}' for n in MODEL_WRAPPERS.module_dict)
 
 
-def resolve_wrapper_type(cfg: Mapping[str, Any]) -> type:
-    """The class ``cfg['type']`` names, looked up as mmengine's ``Runner.wrap_model`` does."""
+def resolve_wrapper_type(cfg: Mapping[str, Any], default_scope: Optional[str] = None) -> type:
+    """The class ``cfg['type']`` names, looked up as mmengine's ``MODEL_WRAPPERS.build`` does.
+
+    Args:
+        cfg: The ``model_wrapper_cfg``; its ``_scope_``, if any, picks the registry.
+        default_scope: The config's ``default_scope``, used without ``_scope_``
+            (``None``: the scope mmengine holds current).
+
+    Raises ``KeyError`` for an unknown name and ``ValueError`` for mmengine's
+    FSDP wrapper.
+
+    """
     name = cfg.get('type')
-    cls = name if isinstance(name, type) else MMENGINE_MODEL_WRAPPERS.get(name)
+    if isinstance(name, type):
+        cls = name
+    else:
+        with MMENGINE_MODEL_WRAPPERS.switch_scope_and_registry(
+                cfg.get('_scope_') or default_scope) as registry:
+            cls = registry.get(name)
     if cls is None:
         names = registered_wrapper_names()
         raise KeyError(f'model_wrapper_cfg.type: {name!r} is not a registered model wrapper'
                        f'{suggest(name, names)}; registered wrappers are {names}')
+    if issubclass(cls, FullyShardedDataParallel) and cls.__module__.startswith('mmengine.'):
+        raise ValueError(f"model_wrapper_cfg.type: {name!r} is mmengine's FSDP wrapper "
+                         f'({cls.__module__}.{cls.__name__}), which mmfsdp.FSDPRunner does not '
+                         f'use; write {_INSTEAD}')
     return cls
 
 
@@ -33,10 +68,11 @@ def check_wrapper_config(cls: type, cfg: Mapping[str, Any],
                          module: Optional[nn.Module] = None) -> None:
     """Raise on keywords ``cls`` does not take and, for mmfsdp wrappers, on bad values.
 
-    With ``module``, options checked against the model (wrap policies, layer
-    classes) are checked too.
+    ``type`` and ``_scope_`` are not keywords of the wrapper. With ``module``,
+    options checked against the model (wrap policies, layer classes) are
+    checked too.
     """
-    options = {k: v for k, v in cfg.items() if k != 'type'}
+    options = wrapper_options(cfg)
     check_config = getattr(cls, 'check_config', None)
     if check_config is not None:
         check_config(options, module)

@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -78,6 +79,17 @@ class FSDPConfig:
         return (build_wrap_policy(self.auto_wrap_policy, module),
                 resolve_activation_checkpointing(self.activation_checkpointing, module))
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise on options the training device cannot honour.
+
+        FSDP1 offloads into pinned memory, which needs an accelerator: on the
+        CPU it would fail inside torch at the first forward.
+        """
+        if self.cpu_offload.offload_params and device.type == 'cpu':
+            raise ValueError('model_wrapper_cfg.cpu_offload: FSDP1 offloads to pinned memory, '
+                             'which needs an accelerator, and this process trains on the CPU; '
+                             'set cpu_offload=False (the parameters are on the CPU already)')
+
 
 def _as_is(value: Any) -> Any:
     return value
@@ -135,6 +147,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
     def __init__(self, module: nn.Module, **config: Any) -> None:
         reject_stock_runner(type(self).__name__)
         cfg = FSDPConfig.from_dict(config)
+        cfg.check_device(current_device())
         policy, checkpoint_layers = cfg.for_model(module)
         super().__init__(
             module,
@@ -157,6 +170,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         Lets a runner reject a config on every rank before any collective.
         """
         cfg = FSDPConfig.from_dict(config)
+        cfg.check_device(current_device())
         if module is not None:
             cfg.for_model(module)
             if own_steps(module):
