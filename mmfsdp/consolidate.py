@@ -23,9 +23,15 @@ __all__ = ['consolidate', 'main']
 
 
 def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any]:
-    """Write the full checkpoint of the sharded directory ``src`` to ``dst``; return it."""
+    """Write the full checkpoint of the sharded directory ``src`` to ``dst``; return it.
+
+    Like ``cp``, it creates no folders: ``dst``'s parent directory must exist.
+    """
     if not is_sharded_checkpoint(src):
         raise ValueError(f'{src} is not a sharded mmfsdp checkpoint directory')
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f'cannot write {dst}: the directory {parent} does not exist')
     checkpoint = read_sharded_meta(src, allow_unsafe)
     extras = checkpoint.pop('optimizer_extras', None)
     param_groups = checkpoint.pop('optimizer_param_groups', None)
@@ -48,11 +54,15 @@ def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = argparse.ArgumentParser(prog='python -m mmfsdp.consolidate',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('src', help='sharded checkpoint directory (e.g. iter_1000.pth/)')
-    parser.add_argument('dst', help='full checkpoint file to write')
+    parser.add_argument('dst', help='full checkpoint file to write (its directory must exist)')
     args = parser.parse_args(argv)
-    consolidate(args.src, args.dst)
+    try:
+        consolidate(args.src, args.dst)
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(1, f'{parser.prog}: error: {e}\n')
     print(f'wrote {args.dst}')
 
 

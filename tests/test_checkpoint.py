@@ -14,6 +14,7 @@ checks consolidation, plain loading and what ``torch.load`` accepts.
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -181,6 +182,14 @@ def test_load_from_reads_the_weights_in_one_process(runs, root, kind):
     assert _max_diff(runner.model.state_dict(), expected) == 0
 
 
+def test_one_process_use_of_a_sharded_checkpoint_is_quiet(runs, root):
+    runner = FSDPRunner.from_cfg(_config(f'{root}/quiet', FSDP, 1, launcher='none'))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        runner.load_checkpoint(_ckpt(root, 'fsdp-sharded', TOTAL))
+    assert [str(w.message) for w in caught if 'single process' in str(w.message)] == []
+
+
 def test_full_checkpoint_loads_strictly_into_the_plain_model(runs, root):
     from mmengine.runner import load_checkpoint
     model = ToyClassifier()
@@ -202,13 +211,25 @@ def test_our_checkpoints_load_with_torch_defaults(root, path):
 
 def test_consolidation_turns_a_sharded_directory_into_the_full_file(root, tmp_path):
     dst = str(tmp_path / 'consolidated.pth')
-    subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate',
-                    _ckpt(root, 'fsdp-sharded'), dst], check=True)
+    done = subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate',
+                           _ckpt(root, 'fsdp-sharded'), dst], check=True, capture_output=True,
+                          text=True)
+    assert done.stderr == ''  # nothing to warn about
     consolidated = torch.load(dst)
     full = torch.load(_ckpt(root, 'fsdp-full'))
     assert _max_diff(consolidated['state_dict'], full['state_dict']) == 0
     assert _max_diff(consolidated['optimizer']['state'], full['optimizer']['state']) == 0
     assert consolidated['meta']['iter'] == full['meta']['iter']
+
+
+def test_consolidation_refuses_a_missing_output_directory_like_cp(root, tmp_path):
+    dst = tmp_path / 'missing' / 'full.pth'
+    done = subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate',
+                           _ckpt(root, 'fsdp-sharded'), str(dst)], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr == (f'python -m mmfsdp.consolidate: error: cannot write {dst}: the '
+                           f'directory {dst.parent} does not exist\n')
+    assert not dst.parent.exists()
 
 
 def test_ordinary_mmengine_checkpoint_needs_the_opt_in(runs, stock_checkpoint):

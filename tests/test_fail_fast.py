@@ -35,6 +35,27 @@ CONFIG_ERRORS = {
         'model_wrapper_cfg', "'use_orig_param'", "'sharding_strategy'"]),
     'unknown DDP keyword': (dict(type=DDP, find_unused_parameter=True), TypeError, [
         'model_wrapper_cfg', "'find_unused_parameter'", "'find_unused_parameters'"]),
+    # Without a scope the bare name is mmengine's wrapper: refused, naming ours.
+    "mmengine's FSDP wrapper": (dict(type='MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS),
+                                ValueError, ['model_wrapper_cfg.type',
+                                             "'MMFullyShardedDataParallel'", "mmengine's",
+                                             "type='mmfsdp.MMFullyShardedDataParallel'"]),
+}
+#: Errors about what the machine cannot do; checked only on a CPU-only machine.
+CPU_ONLY = torch.accelerator.current_accelerator(check_available=True) is None
+CPU_ERRORS = {
+    'FSDP1 cpu_offload on the CPU': (dict(type=FSDP, cpu_offload=True), ValueError, [
+        'model_wrapper_cfg.cpu_offload', 'accelerator', 'cpu_offload=False']),
+}
+#: name -> (extra config keys, error type, fragments): start-up checks outside the wrapper.
+START_UP_ERRORS = {
+    'torchrun without --launcher': (dict(launcher='none'), ValueError, [
+        "launcher: 'none'", 'WORLD_SIZE=2', '--launcher pytorch']),
+}
+CPU_START_UP_ERRORS = {
+    'nccl on a CPU-only machine': (dict(env_cfg=dict(dist_cfg=dict(backend='nccl', timeout=60))),
+                                   ValueError, ["env_cfg.dist_cfg.backend: 'nccl'", 'CUDA',
+                                                'env_cfg.dist_cfg.backend=gloo']),
 }
 MODEL_ERRORS = {
     'unknown policy': (dict(type=FSDP, auto_wrap_policy=dict(type='blocks')), KeyError, [
@@ -65,13 +86,19 @@ def _checks(work_root: str) -> dict:
     from mmfsdp.dist import init_distributed
     out = {}
 
-    def build(name, wrapper, runner_cls=FSDPRunner):
+    def build(name, wrapper, runner_cls=FSDPRunner, **extra):
         cfg = runner_config(name.replace(' ', '_'), f'{work_root}/{name}', batch_size=4,
                             wrapper=wrapper)
+        cfg.update(extra)
         return runner_cls.from_cfg(Config(cfg))
 
-    for name, (wrapper, _, _) in CONFIG_ERRORS.items():
+    config_errors = dict(CONFIG_ERRORS, **(CPU_ERRORS if CPU_ONLY else {}))
+    for name, (wrapper, _, _) in config_errors.items():
         out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (
+            torch.distributed.is_initialized(), )
+    start_up_errors = dict(START_UP_ERRORS, **(CPU_START_UP_ERRORS if CPU_ONLY else {}))
+    for name, (extra, _, _) in start_up_errors.items():
+        out[name] = _error(lambda n=name, e=extra: build(n, dict(type=DDP), **e)) + (
             torch.distributed.is_initialized(), )
     for name, (wrapper, _, _) in MODEL_ERRORS.items():
         out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (None, )
@@ -89,6 +116,15 @@ def _checks(work_root: str) -> dict:
     out['stock runner ddp'] = {k: v.detach().clone() for k, v in
                                runner.model.module.state_dict().items()}
     out['stock runner ddp type'] = type(runner.model).__name__
+
+    # mmengine's DDP wrapper (the bare name) is accepted by FSDPRunner and trains like ours.
+    cfg = runner_config('mmengine-ddp', f'{work_root}/mmengine-ddp', batch_size=4,
+                        wrapper=dict(type='MMDistributedDataParallel'))
+    runner = FSDPRunner.from_cfg(Config(cfg))
+    runner.train()
+    out['mmengine ddp'] = {k: v.detach().clone() for k, v in
+                           runner.model.module.state_dict().items()}
+    out['mmengine ddp type'] = type(runner.model).__module__
 
     wrapper = dict(type=FSDP, auto_wrap_policy=BLOCKS, mixed_precision=dict(param_dtype='fp32'))
     cfg = runner_config('unchanged', f'{work_root}/unchanged', batch_size=4, wrapper=wrapper,
@@ -117,6 +153,37 @@ def test_config_error_is_raised_before_the_process_group_starts(ranks, name):
     _, error, fragments = CONFIG_ERRORS[name]
     _assert_same_error_on_every_rank(ranks, name, error, fragments)
     assert [r[name][2] for r in ranks] == [False, False]  # no collective was ever possible
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason='checks what a CPU-only machine cannot do')
+@pytest.mark.parametrize('name', list(CPU_ERRORS))
+def test_what_the_cpu_cannot_do_is_refused_before_the_process_group_starts(ranks, name):
+    _, error, fragments = CPU_ERRORS[name]
+    _assert_same_error_on_every_rank(ranks, name, error, fragments)
+    assert [r[name][2] for r in ranks] == [False, False]
+
+
+@pytest.mark.parametrize('name', list(START_UP_ERRORS))
+def test_launch_mistake_is_refused_on_every_rank_before_the_process_group(ranks, name):
+    _, error, fragments = START_UP_ERRORS[name]
+    _assert_same_error_on_every_rank(ranks, name, error, fragments)
+    assert [r[name][2] for r in ranks] == [False, False]
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason='checks what a CPU-only machine cannot do')
+@pytest.mark.parametrize('name', list(CPU_START_UP_ERRORS))
+def test_nccl_on_a_cpu_only_machine_names_the_config_key(ranks, name):
+    _, error, fragments = CPU_START_UP_ERRORS[name]
+    _assert_same_error_on_every_rank(ranks, name, error, fragments)
+    assert [r[name][2] for r in ranks] == [False, False]
+
+
+def test_mmengine_ddp_wrapper_trains_under_fsdp_runner_like_ours(ranks):
+    assert ranks[0]['mmengine ddp type'] == 'mmengine.model.wrappers.distributed'
+    expected = ranks[0]['stock runner ddp']  # mmfsdp's DDP wrapper, same run
+    for rank in ranks:
+        got = rank['mmengine ddp']
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) == 0
 
 
 @pytest.mark.parametrize('name', list(MODEL_ERRORS))

@@ -10,9 +10,11 @@ The directory is written as ``iter_N.pth.tmp/`` and renamed once every rank
 has finished, so a directory under the final name is always complete. It loads
 at any world size, and without a process group (see :mod:`mmfsdp.consolidate`).
 """
+import contextlib
 import os
 import shutil
-from typing import Any, Dict, Optional
+import warnings
+from typing import Any, Dict, Iterator, Optional
 
 import torch.distributed.checkpoint as dcp
 from mmengine.dist import is_main_process
@@ -55,7 +57,8 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
         if is_main_process() and os.path.isdir(tmp):
             shutil.rmtree(tmp)
     shards, param_groups = sharded_state(model, optim_wrapper)
-    dcp.save(shards, checkpoint_id=tmp)
+    with _single_process_is_intended():
+        dcp.save(shards, checkpoint_id=tmp)
     with fail_together(f'saving checkpoint {path}', wait_s):
         if is_main_process():
             if param_groups is not None:
@@ -79,8 +82,9 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     optimizer (param groups, optim-wrapper extras).
     """
     shards, _ = sharded_state(model, optim_wrapper)
-    dcp.load(shards, checkpoint_id=path,
-             planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    with _single_process_is_intended():
+        dcp.load(shards, checkpoint_id=path,
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
     options = StateDictOptions(full_state_dict=False, strict=strict)
     set_model_state_dict(model, shards['model'], options=options)
     if optim_wrapper is None:
@@ -92,6 +96,21 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
                      param_groups=_select(groups, name))
         set_optimizer_state_dict(model, wrapper.optimizer, state, options=options)
         load_optimizer_extras(wrapper, _select(extras, name) if extras else {})
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to load/save in a single process" warning.
+
+    Without a process group DCP warns on every call (also with ``no_dist=True``);
+    one-process use of a sharded checkpoint (``tools/test.py --launcher none``)
+    is intended here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', category=UserWarning,
+                                message='torch.distributed is disabled, unavailable or '
+                                        'uninitialized, assuming the intent')
+        yield
 
 
 def _select(tree: Any, name: Optional[str]) -> Any:

@@ -9,10 +9,11 @@ config's ``default_scope`` (e.g. ``default_scope = 'mmpretrain'`` with
 ``type='ImageClassifier'``), or of a dict's own ``_scope_``.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from mmengine.config import DictAction
@@ -22,7 +23,7 @@ import mmfsdp  # noqa: F401  (fills the registries)
 
 from ..config import load_config
 from ..wrappers.builder import resolve_wrapper_type
-from . import format_plan, plan_for, plan_to_dict
+from . import Plan, format_plan, plan_for, plan_to_dict
 
 DEFAULT_WRAPPER = dict(type='mmfsdp.MMDistributedDataParallel')
 PROG = 'python -m mmfsdp.plan'
@@ -37,19 +38,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                         help='override settings of the config, as key=value pairs')
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
-    cfg.merge_from_dict(args.cfg_options)
+    # stdout carries the plan alone (JSON for scripts); mmengine logs to stdout.
+    with contextlib.redirect_stdout(sys.stderr):
+        plans = _plans(args.config, args.cfg_options, args.world_size)
+    if args.format == 'json':
+        _print(json.dumps([plan_to_dict(p) for p in plans], indent=1))
+    else:
+        _print('\n\n'.join(format_plan(p) for p in plans))
+
+
+def _plans(config: str, cfg_options: dict, world_sizes: Sequence[int]) -> List[Plan]:
+    cfg = load_config(config)
+    cfg.merge_from_dict(cfg_options)
     scope = cfg.get('default_scope', 'mmengine')
     wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
     wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
     with DefaultScope.overwrite_default_scope(scope), torch.device('meta'):
         model = MODELS.build(cfg.model)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
-    plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer) for n in args.world_size]
-    if args.format == 'json':
-        _print(json.dumps([plan_to_dict(p) for p in plans], indent=1))
-    else:
-        _print('\n\n'.join(format_plan(p) for p in plans))
+    return [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer) for n in world_sizes]
 
 
 def _print(text: str) -> None:
