@@ -23,7 +23,7 @@ from .options import check_keys, resolve_module_classes
 
 __all__ = ['resolve_activation_checkpointing', 'apply_activation_checkpointing_to']
 
-KEY = 'activation_checkpointing'
+KEY = 'model_wrapper_cfg.activation_checkpointing'
 
 
 def resolve_activation_checkpointing(cfg: Optional[Mapping[str, Any]],

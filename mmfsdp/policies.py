@@ -131,7 +131,7 @@ def _build_one(cfg: Any, model: nn.Module, key: str) -> WrapPolicy:
 
 
 def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
-                      key: str = 'auto_wrap_policy') -> Union[WrapPolicy, None]:
+                      key: str = 'model_wrapper_cfg.auto_wrap_policy') -> Union[WrapPolicy, None]:
     """Build the policy a config names, checked against ``model``.
 
     Args:

@@ -14,7 +14,7 @@ install has; a "character" here is a byte of the UTF-8 source.
 import functools
 import os
 import sysconfig
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -134,6 +134,11 @@ class StdlibCharDataset(Dataset):
         if stride < 1:
             raise ValueError(f'stride must be positive, got {stride}')
         return torch.arange(0, last_start + 1, stride)
+
+    @property
+    def metainfo(self) -> Dict[str, Any]:
+        """What mmengine hands the metric and visualizer as ``dataset_meta``."""
+        return dict(vocab_size=self.vocab_size, block_size=self.block_size, split=self.split)
 
     def __len__(self) -> int:
         return len(self.starts)

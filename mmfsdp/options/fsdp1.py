@@ -20,7 +20,7 @@ _BACKWARD_PREFETCH_ALIASES = {
 
 def resolve_sharding_strategy(value: Union[str, ShardingStrategy]) -> ShardingStrategy:
     """``sharding_strategy``: any ``ShardingStrategy`` name, case-insensitive."""
-    return resolve_enum(value, ShardingStrategy, 'sharding_strategy')
+    return resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
 
 
 def resolve_backward_prefetch(
@@ -28,7 +28,8 @@ def resolve_backward_prefetch(
     """``backward_prefetch``: ``'pre' | 'post' | None`` or a ``BackwardPrefetch``."""
     if value is None:
         return None
-    return resolve_enum(value, BackwardPrefetch, 'backward_prefetch', _BACKWARD_PREFETCH_ALIASES)
+    return resolve_enum(value, BackwardPrefetch, 'model_wrapper_cfg.backward_prefetch',
+                        _BACKWARD_PREFETCH_ALIASES)
 
 
 def resolve_mixed_precision(
@@ -42,10 +43,11 @@ def resolve_mixed_precision(
     if value is None or isinstance(value, MixedPrecision):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError('mixed_precision: expected a dict, a MixedPrecision or None, '
+        raise TypeError('model_wrapper_cfg.mixed_precision: '
+                        'expected a dict, a MixedPrecision or None, '
                         f'got {type(value).__name__} {value!r}')
     return MixedPrecision(**resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS,
-                                                     'mixed_precision'))
+                                                     'model_wrapper_cfg.mixed_precision'))
 
 
 def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:
@@ -55,8 +57,9 @@ def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CP
     if isinstance(value, bool):
         return CPUOffload(offload_params=value)
     if isinstance(value, Mapping):
-        check_keys(value, ('offload_params', ), 'cpu_offload')
+        check_keys(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload')
         return CPUOffload(offload_params=resolve_flag(
-            value.get('offload_params', False), 'cpu_offload.offload_params'))
-    raise TypeError('cpu_offload: expected True/False, dict(offload_params=...) or a '
+            value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
+    raise TypeError('model_wrapper_cfg.cpu_offload: '
+                    'expected True/False, dict(offload_params=...) or a '
                     f'CPUOffload, got {type(value).__name__} {value!r}')

@@ -73,18 +73,21 @@ def resolve_mp_policy(
     if isinstance(value, MixedPrecisionPolicy):
         return value
     if isinstance(value, MixedPrecision):
-        raise TypeError('mixed_precision: got an FSDP1 MixedPrecision; FSDP2 takes a '
+        raise TypeError('model_wrapper_cfg.mixed_precision: '
+                        'got an FSDP1 MixedPrecision; FSDP2 takes a '
                         'MixedPrecisionPolicy or dict(param_dtype=..., reduce_dtype=..., '
                         'output_dtype=..., cast_forward_inputs=...)')
     if not isinstance(value, Mapping):
-        raise TypeError('mixed_precision: expected a dict, a MixedPrecisionPolicy or None, '
+        raise TypeError('model_wrapper_cfg.mixed_precision: '
+                        'expected a dict, a MixedPrecisionPolicy or None, '
                         f'got {type(value).__name__} {value!r}')
     for name, instead in _FSDP1_ONLY_MP_KEYS.items():
         if name in value:
-            raise TypeError(f'mixed_precision: {name!r} is an FSDP1 key that FSDP2 does not '
+            raise TypeError('model_wrapper_cfg.mixed_precision: '
+                            f'{name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
     return MixedPrecisionPolicy(**resolve_dtypes_and_flags(
-        value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, 'mixed_precision'))
+        value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, 'model_wrapper_cfg.mixed_precision'))
 
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
@@ -101,13 +104,15 @@ def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, 
     if isinstance(value, OffloadPolicy):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError('offload: expected dict(cpu_offload=..., pin_memory=...), True/False '
+        raise TypeError('model_wrapper_cfg.offload: '
+                        'expected dict(cpu_offload=..., pin_memory=...), True/False '
                         f'or an OffloadPolicy, got {type(value).__name__} {value!r}')
-    check_keys(value, ('cpu_offload', 'pin_memory'), 'offload')
-    pin_memory = resolve_flag(value.get('pin_memory', True), 'offload.pin_memory')
-    if not resolve_flag(value.get('cpu_offload', False), 'offload.cpu_offload'):
+    check_keys(value, ('cpu_offload', 'pin_memory'), 'model_wrapper_cfg.offload')
+    pin_memory = resolve_flag(value.get('pin_memory', True), 'model_wrapper_cfg.offload.pin_memory')
+    if not resolve_flag(value.get('cpu_offload', False), 'model_wrapper_cfg.offload.cpu_offload'):
         if 'pin_memory' in value:
-            raise ValueError('offload.pin_memory: only applies with cpu_offload=True')
+            raise ValueError('model_wrapper_cfg.offload.pin_memory: '
+                             'only applies with cpu_offload=True')
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=pin_memory)
 
@@ -123,10 +128,11 @@ def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
         return value
     if isinstance(value, int):
         if value < 2:
-            raise ValueError(f'reshard_after_forward: {value!r} is not a valid group size; '
+            raise ValueError('model_wrapper_cfg.reshard_after_forward: '
+                             f'{value!r} is not a valid group size; '
                              'use True, False or an int >= 2 that divides the shard group size')
         return value
-    raise TypeError('reshard_after_forward: expected True, False or an int, '
+    raise TypeError('model_wrapper_cfg.reshard_after_forward: expected True, False or an int, '
                     f'got {type(value).__name__} {value!r}')
 
 
@@ -149,18 +155,20 @@ class MeshSpec:
         shard = self.shard
         if shard == NODE:
             if local_world_size is None:
-                raise ValueError("mesh.shard: 'node' needs LOCAL_WORLD_SIZE (set by torchrun); "
+                raise ValueError("model_wrapper_cfg.mesh.shard: "
+                                 "'node' needs LOCAL_WORLD_SIZE (set by torchrun); "
                                  'give the shard group size as an int instead')
             shard = local_world_size
         replicate = self.replicate
         if replicate == -1 and shard == -1:
-            raise ValueError('mesh: replicate and shard cannot both be -1')
+            raise ValueError('model_wrapper_cfg.mesh: replicate and shard cannot both be -1')
         if replicate == -1:
             replicate = world_size // shard if world_size % shard == 0 else 0
         elif shard == -1:
             shard = world_size // replicate if world_size % replicate == 0 else 0
         if replicate * shard != world_size:
-            raise ValueError(f'mesh: replicate={self.replicate} x shard={self.shard} does not '
+            raise ValueError('model_wrapper_cfg.mesh: '
+                             f'replicate={self.replicate} x shard={self.shard} does not '
                              f'match the world size {world_size}; replicate * shard must '
                              'equal it (use -1 for "the rest")')
         return replicate, shard
@@ -183,11 +191,12 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
     if isinstance(value, MeshSpec):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError('mesh: expected dict(replicate=..., shard=...), got '
+        raise TypeError('model_wrapper_cfg.mesh: expected dict(replicate=..., shard=...), got '
                         f'{type(value).__name__} {value!r}')
-    check_keys(value, ('replicate', 'shard'), 'mesh')
-    return MeshSpec(replicate=_mesh_size(value.get('replicate', 1), 'mesh.replicate', False),
-                    shard=_mesh_size(value.get('shard', -1), 'mesh.shard', True))
+    check_keys(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh')
+    return MeshSpec(
+        replicate=_mesh_size(value.get('replicate', 1), 'model_wrapper_cfg.mesh.replicate', False),
+        shard=_mesh_size(value.get('shard', -1), 'model_wrapper_cfg.mesh.shard', True))
 
 
 def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bool, bool]:
@@ -199,7 +208,8 @@ def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bo
     """
     strategy = resolve_sharding_strategy(value)
     if strategy is ShardingStrategy.NO_SHARD:
-        raise ValueError("sharding_strategy: 'NO_SHARD' has no FSDP2 equivalent (FSDP1 itself "
+        raise ValueError("model_wrapper_cfg.sharding_strategy: "
+                         "'NO_SHARD' has no FSDP2 equivalent (FSDP1 itself "
                          "deprecates it for DDP); use type='mmfsdp.MMDistributedDataParallel' "
                          'to replicate without sharding')
     return {
@@ -214,6 +224,7 @@ def resolve_init_device(value: Optional[str]) -> Optional[str]:
     """``init_device``: ``None`` (build the model on its device) or ``'meta'``."""
     if value is None or value == 'meta':
         return value
-    raise ValueError(f'init_device: {value!r} is not supported{suggest(value, ["meta"])}; '
+    raise ValueError('model_wrapper_cfg.init_device: '
+                     f'{value!r} is not supported{suggest(value, ["meta"])}; '
                      "valid choices are None (build the full model, then shard) and 'meta' "
                      '(build on the meta device, shard, then materialise each shard)')

@@ -100,9 +100,9 @@ _RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
     backward_prefetch=resolve_backward_prefetch,
     mixed_precision=resolve_mixed_precision,
     cpu_offload=resolve_cpu_offload,
-    forward_prefetch=functools.partial(resolve_flag, key='forward_prefetch'),
-    limit_all_gathers=functools.partial(resolve_flag, key='limit_all_gathers'),
-    sync_module_states=functools.partial(resolve_flag, key='sync_module_states'),
+    forward_prefetch=functools.partial(resolve_flag, key='model_wrapper_cfg.forward_prefetch'),
+    limit_all_gathers=functools.partial(resolve_flag, key='model_wrapper_cfg.limit_all_gathers'),
+    sync_module_states=functools.partial(resolve_flag, key='model_wrapper_cfg.sync_module_states'),
 )
 
 

@@ -103,7 +103,8 @@ class FullyShardConfig:
         """Raise on options the training device cannot honour."""
         if (isinstance(self.offload, CPUOffloadPolicy) and self.offload.pin_memory
                 and device.type == 'cpu'):
-            raise ValueError('offload.pin_memory: pinned memory needs an accelerator and this '
+            raise ValueError('model_wrapper_cfg.offload.pin_memory: '
+                             'pinned memory needs an accelerator and this '
                              'process trains on the CPU; set pin_memory=False, or leave offload '
                              'out (the parameters are on the CPU already)')
 
@@ -120,7 +121,8 @@ def _from_sharding_strategy(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         if 'mesh' not in cfg:
             mesh = MeshSpec(replicate=-1, shard='node')  # FSDP1's layout: shard within a node
         elif mesh.replicate == 1:
-            raise ValueError(f'sharding_strategy: {cfg["sharding_strategy"]!r} replicates '
+            raise ValueError('model_wrapper_cfg.sharding_strategy: '
+                             f'{cfg["sharding_strategy"]!r} replicates '
                              'across groups, but mesh has replicate=1; set mesh=dict('
                              'replicate=R, shard=S) with R > 1, or leave mesh out to shard '
                              'within each node')

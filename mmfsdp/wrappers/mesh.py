@@ -38,6 +38,7 @@ def check_reshard_after_forward(value: Union[bool, int], mesh: DeviceMesh) -> No
     size = shard_group_size(mesh)
     if value >= size or size % value:
         divisors = [d for d in range(2, size) if size % d == 0]
-        raise ValueError(f'reshard_after_forward: {value} is not a divisor of the shard group '
+        raise ValueError('model_wrapper_cfg.reshard_after_forward: '
+                         f'{value} is not a divisor of the shard group '
                          f'size {size} other than 1 and {size}; valid ints here are {divisors} '
                          '(or use True / False)')
