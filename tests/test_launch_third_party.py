@@ -217,3 +217,15 @@ def test_plan_cli_finds_unprefixed_names_in_the_default_scope(tmp_path, config, 
     (plan,) = json.loads(out)
     assert plan['wrapper'] == wrapper
     assert [u['name'] for u in plan['units']][-3:] == ['blocks.0', 'blocks.1', 'blocks.2']
+
+
+def test_our_config_loader_hides_mmengines_pkg_resources_warning_only(tmp_path):
+    (tmp_path / 'usermod.py').write_text("import warnings\nwarnings.warn('the user warns')\n")
+    (tmp_path / 'experiment.py').write_text(
+        FSDP1_CONFIG + "custom_imports = dict(imports=['usermod'])\n")
+    load = ('import mmfsdp\nfrom mmfsdp.config import load_config\n'
+            "load_config('experiment.py')\n")
+    done = subprocess.run([sys.executable, '-c', load], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert 'the user warns' in done.stderr  # imported while the config loads
+    assert 'pkg_resources' not in done.stderr

@@ -163,3 +163,15 @@ def test_dry_run_of_a_billion_parameters_takes_seconds():
     plan = json.loads(out)[0]
     assert plan['numel'] > 0.9e9
     assert plan['model_state_bytes_per_rank'] < 1.05 * 16 * plan['numel'] / 64
+
+
+def test_dry_run_piped_into_head_ends_quietly():
+    # 64 plans of JSON fill the pipe, so the reader's early close breaks a pending write.
+    proc = subprocess.Popen([sys.executable, '-m', 'mmfsdp.plan', 'configs/gpt-nano_fsdp_2xcpu.py',
+                             '--world-size', *map(str, range(1, 65)), '--format', 'json'],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == '[\n'
+    proc.stdout.close()  # what `| head -1` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert err == ''
