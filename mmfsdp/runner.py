@@ -63,7 +63,13 @@ class FSDPRunner(CheckpointMixin, Runner):
       that depends on the model, the ranks compare fingerprints of the model
       and the plan (:mod:`mmfsdp.agreement`); rank 0's own work (plan log,
       checkpoint writes) ends with every rank learning whether it failed
-      (:mod:`mmfsdp.together`).
+      (:mod:`mmfsdp.together`). Launch mistakes are refused up front too
+      (:mod:`mmfsdp.startup`): ``launcher='none'`` under torchrun, NCCL on a
+      machine without CUDA, mmengine's FSDP wrapper by its bare name.
+    - **Other packages' configs**: ``_scope_`` (inherited ``mmfsdp::`` configs)
+      and ``default_scope`` pick the registry as in mmengine; mmengine's
+      ``AmpOptimWrapper`` (``tools/train.py --amp``) becomes
+      ``mmfsdp.AmpOptimWrapper``, with a log line.
     - **Wrap after initialising**: the model stays unwrapped until the
       weights are final. ``train()`` builds the optimizer, runs
       ``init_weights()`` and broadcasts rank 0's weights on the full model,

@@ -222,6 +222,12 @@ def test_consolidation_turns_a_sharded_directory_into_the_full_file(root, tmp_pa
     assert consolidated['meta']['iter'] == full['meta']['iter']
 
 
+def test_consolidate_help_names_the_command_to_type():
+    done = subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate', '--help'], check=True,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith('usage: python -m mmfsdp.consolidate [-h] src dst')
+
+
 def test_consolidation_refuses_a_missing_output_directory_like_cp(root, tmp_path):
     dst = tmp_path / 'missing' / 'full.pth'
     done = subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate',

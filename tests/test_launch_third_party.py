@@ -134,6 +134,10 @@ def test_inherited_top_level_config_trains_on_2_ranks(fsdp1_run):
     assert 'iter_4.pth' in fsdp1_run['files']
 
 
+def test_demo_dataset_gives_the_loops_its_metainfo(fsdp1_run):
+    assert 'has no metainfo' not in fsdp1_run['log']
+
+
 def test_inherited_base_pieces_train_with_fsdp2_on_2_ranks(fsdp2_amp_run):
     assert 'mmfsdp.MMFullyShard reshard_after_forward=True, world size 2' in fsdp2_amp_run['log']
     assert len(fsdp2_amp_run['losses']) == 2

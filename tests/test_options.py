@@ -53,7 +53,7 @@ def test_sharding_strategy_typo_suggests_the_member():
     with pytest.raises(ValueError) as e:
         resolve_sharding_strategy('FULLSHARD')
     msg = str(e.value)
-    assert msg.startswith('sharding_strategy:') and "'FULLSHARD'" in msg
+    assert msg.startswith('model_wrapper_cfg.sharding_strategy:') and "'FULLSHARD'" in msg
     assert "did you mean 'FULL_SHARD'" in msg and "'SHARD_GRAD_OP'" in msg
 
 
