@@ -9,6 +9,7 @@ timeout of the harness (:data:`harness.COLLECTIVE_TIMEOUT_S`), so no case
 passes by merely timing out.
 """
 import json
+import logging
 import os
 import signal
 import time
@@ -57,11 +58,57 @@ def _runner(name: str, root: str, wrapper: dict, checkpoint: str = None, max_ite
 
 def _outcome(case: str, fn) -> dict:
     try:
-        fn()
+        result = fn() or {}
     except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
         return dict(type=type(e).__name__, message=str(e), end=time.monotonic(),
                     injected=_injected.get(case))
-    return dict(type=None, message='', end=time.monotonic(), injected=_injected.get(case))
+    return dict(type=None, message='', end=time.monotonic(), injected=_injected.get(case),
+                **result)
+
+
+class _Collect(logging.Handler):
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+class _Start(Hook):
+
+    def before_train(self, runner) -> None:
+        self.iter = runner.iter
+
+
+def _damage(path: str, how: str) -> None:
+    if how == 'truncate':
+        size = os.path.getsize(path)
+        with open(path, 'r+b') as f:
+            f.truncate(size // 2)
+    else:  # a sharded checkpoint without rank 1's shard
+        os.remove(os.path.join(path, '__1_0.distcp'))
+
+
+def _resume_after_damage(case: str, root: str, kind: str, damaged: list, how: str) -> dict:
+    """Save iter_2 and iter_4, damage some, then auto-resume to iter_6."""
+    import torch.distributed as dist
+    name = case.replace(' ', '-')
+    _runner(name, root, FSDP, checkpoint=kind, max_iters=4).train()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for step in damaged:
+            _damage(f'{root}/{name}/iter_{step}.pth', how)
+    dist.barrier()
+    _inject(case)
+    runner = _runner(name, root, FSDP, checkpoint=kind, max_iters=6, resume=True)
+    collect, start = _Collect(), _Start()
+    runner.logger.addHandler(collect)
+    runner.register_hook(start)
+    runner.train()
+    return dict(start=start.iter, end_iter=runner.iter,
+                warnings=[m for m in collect.messages if 'Auto-resume' in m])
 
 
 def _faults(root: str) -> dict:
@@ -128,6 +175,8 @@ def _faults(root: str) -> dict:
         if name in ('different model', 'different policy'):
             _inject(name)  # the fault is there from the start: time the whole construction
         record(name, _outcome(name, fn))
+    for name, args in RESUME_CASES.items():
+        record(name, _outcome(name, lambda n=name, a=args: _resume_after_damage(n, root, *a)))
 
     # Last, as it ends the group: rank 1 dies mid-step; rank 0 must not wait for it.
     class Die(Hook):
@@ -209,6 +258,35 @@ def test_sigkill_of_one_rank_mid_step_fails_the_other_at_once(ranks):
     assert outcome['type'] is not None and outcome['message'], outcome
     assert 'SIGKILL mid-step' not in ranks[1]
     assert _wall(ranks, 'SIGKILL mid-step') < BOUND_S
+
+
+RESUME_CASES = {
+    'resume truncated file': ('full', [4], 'truncate'),
+    'resume missing shard': ('sharded', [4], 'remove shard'),
+    'resume nothing complete': ('full', [2, 4], 'truncate'),
+}
+
+
+@pytest.mark.parametrize('case, defect', [('resume truncated file', 'truncated'),
+                                          ('resume missing shard', 'shard file __1_0.distcp')])
+def test_auto_resume_falls_back_past_an_incomplete_checkpoint(ranks, case, defect):
+    for rank in ranks:
+        assert rank[case]['type'] is None, rank[case]
+        assert (rank[case]['start'], rank[case]['end_iter']) == (2, 6)
+    [warning] = ranks[0][case]['warnings']
+    for fragment in ['iter_4.pth is incomplete', defect, 'resuming from', 'iter_2.pth']:
+        assert fragment in warning, (fragment, warning)
+
+
+def test_auto_resume_without_a_complete_checkpoint_fails_on_every_rank(ranks):
+    case = 'resume nothing complete'
+    assert ranks[0][case]['type'] == 'FileNotFoundError'
+    assert ranks[1][case]['type'] == 'PeerFailure'
+    for rank in ranks:
+        for fragment in ['iter_4.pth is incomplete', 'truncated', 'no complete earlier',
+                         'resume=False']:
+            assert fragment in rank[case]['message'], (fragment, rank[case]['message'])
+    assert _wall(ranks, case) < BOUND_S
 
 
 #: The process-group timeout of the slow-save case, and how long its save takes.

@@ -11,13 +11,15 @@ import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mmengine
+import torch.distributed as dist
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
 from ..names import for_tta_model, model_state_names
-from ..together import fail_together
+from ..together import control_group, fail_together
 from .durable import remove_stale_temporaries
 from .hook import CheckpointHook
+from .integrity import find_complete_checkpoint
 from .safe_io import (
     UNSAFE_SWITCH,
     decode_message_hub,
@@ -25,7 +27,7 @@ from .safe_io import (
     load_file,
     save_atomically,
 )
-from .sharded import is_sharded_checkpoint, load_sharded, read_sharded_meta, save_sharded
+from .sharded import META_FILE, is_sharded_checkpoint, load_sharded, read_sharded_meta, save_sharded
 from .state import (
     StateDictType,
     gather_full_state,
@@ -165,7 +167,14 @@ class CheckpointMixin:
                resume_optimizer: bool = True,
                resume_param_scheduler: bool = True,
                map_location: Any = 'default') -> None:
-        """Mmengine's ``resume``, with the optimizer state loaded at any world size."""
+        """Mmengine's ``resume``, with the optimizer state loaded at any world size.
+
+        Auto-resume (``resume=True`` without ``load_from``) skips an incomplete
+        latest checkpoint for the newest complete one before it, with a warning
+        (:mod:`.integrity`).
+        """
+        if getattr(self, '_load_from', None) is None:
+            filename = self._complete_checkpoint(filename)
         super().resume(filename, resume_optimizer=False,
                        resume_param_scheduler=resume_param_scheduler, map_location='cpu')
         if not resume_optimizer or isinstance(self.optim_wrapper, dict):
@@ -175,6 +184,15 @@ class CheckpointMixin:
             load_sharded(path, self.model, self.optim_wrapper, meta=checkpoint)
         elif 'optimizer' in checkpoint:
             load_full_optimizer_state(self.model, self.optim_wrapper, checkpoint['optimizer'])
+
+    def _complete_checkpoint(self, filename: str) -> str:
+        """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""
+        with fail_together('choosing the checkpoint to resume from'):
+            chosen = [find_complete_checkpoint(filename, META_FILE, self.logger.warning)
+                      if is_main_process() else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(chosen, src=0, group=control_group())
+        return chosen[0]
 
     def _checkpoint_meta(self, meta: Optional[Dict], by_epoch: bool) -> Dict[str, Any]:
         """The ``meta`` entry of the stock Runner's checkpoints."""
