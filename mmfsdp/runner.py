@@ -9,15 +9,25 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
+from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .dist import current_device, init_distributed
-from .meta_init import build_on_meta, wants_meta_init
+from .meta_init import (
+    WriteTracker,
+    agree_on_unwritten,
+    allow_unsafe_pretrained,
+    build_on_meta,
+    defer_check,
+    unwritten,
+    wants_meta_init,
+)
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .options import wrapper_options
 from .plan import format_plan, plan_for, plan_warnings
@@ -85,10 +95,15 @@ class FSDPRunner(CheckpointMixin, Runner):
       files or sharded directories, safe to load, resumable at any world size
       (:class:`mmfsdp.checkpoint.CheckpointMixin`).
     - **Meta init** (wrappers with ``supports_meta_init``, config
-      ``init_device='meta'``): the model is built on the meta device and
-      wrapped at once; the wrapper materialises and initialises each rank's
-      shard (:mod:`mmfsdp.meta_init`), so ``train()`` skips the stock
-      initialise-and-broadcast step.
+      ``init_device='meta'``): the model's parameters and buffers are built
+      on the meta device and the model is wrapped at once; the wrapper
+      materialises and initialises it (:mod:`mmfsdp.meta_init`), so
+      ``train()`` skips the stock initialise-and-broadcast step. A tensor that
+      no initialiser, ``init_cfg`` Pretrained or ``load_from`` wrote is an
+      error on every rank (checked after loading when ``load_from`` is set).
+    - **FSDP1 on an accelerator**: the model stays on the CPU until wrapping;
+      FSDP1 moves it unit by unit and broadcasts rank 0's weights on the
+      device (``sync_module_states``), so no device holds the full model.
 
     Without ``model_wrapper_cfg``, or with one that has no ``type``, a
     distributed run uses ``mmfsdp.MMDistributedDataParallel`` (with those
@@ -112,6 +127,8 @@ class FSDPRunner(CheckpointMixin, Runner):
         check_wrapper_config(self._wrapper_cls, self._wrapper_cfg)
         self._meta_init = self.distributed and wants_meta_init(self._wrapper_cls,
                                                                self._wrapper_cfg)
+        self._meta_pending: list = []
+        self._meta_check_after_load = False
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'))
             atexit.register(_destroy_process_group)
@@ -169,9 +186,14 @@ class FSDPRunner(CheckpointMixin, Runner):
         if self._meta_init:
             self._check_before_wrapping(model)
             self.model = model
-            self._wrap()
+            loads = self._load_from is not None or bool(self._resume)
+            with defer_check(loads) as pending, \
+                    allow_unsafe_pretrained(bool(self.cfg.get(UNSAFE_SWITCH, False))):
+                self._wrap()
+            self._meta_pending, self._meta_check_after_load = pending, loads
             return self.model
-        model = model.to(current_device())
+        if not self._staged_on_cpu():
+            model = model.to(current_device())
         self._check_before_wrapping(model)
         return model
 
@@ -186,15 +208,40 @@ class FSDPRunner(CheckpointMixin, Runner):
             check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
         check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
 
+    def _staged_on_cpu(self) -> bool:
+        """Whether the model stays on the CPU until FSDP1 moves it unit by unit.
+
+        On an accelerator only: FSDP1's broadcast (``sync_module_states``)
+        takes device tensors; on the CPU the stock broadcast serves.
+        """
+        return (issubclass(self._wrapper_cls, FullyShardedDataParallel)
+                and current_device().type != 'cpu'
+                and self._wrapper_cfg.get('sync_module_states') is not False)
+
     def _init_model_weights(self) -> None:
-        """The stock initialise-and-broadcast, unless the shards were initialised at wrapping."""
-        if not self._meta_init:
-            super()._init_model_weights()
+        """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
+        if self._meta_init:
+            return
+        if self._staged_on_cpu():
+            model = self.model.module if is_model_wrapper(self.model) else self.model
+            if callable(getattr(model, 'init_weights', None)):
+                model.init_weights()  # FSDP1 broadcasts rank 0's weights unit by unit
+            return
+        super()._init_model_weights()
 
     def load_or_resume(self) -> None:
-        """Wrap the model, whose weights are now initialised, then load or resume."""
+        """Wrap the model, whose weights are now initialised, then load or resume.
+
+        Under meta init with ``load_from`` / ``resume``, the tensors that no
+        initialiser wrote must come from the checkpoint: checked here, on every rank.
+        """
         self._wrap()
-        super().load_or_resume()
+        tracker = WriteTracker()
+        with tracker:
+            super().load_or_resume()
+        if self._meta_check_after_load:  # the same on every rank: a collective follows
+            self._meta_check_after_load = False
+            agree_on_unwritten(unwritten(self.model.module, self._meta_pending, tracker))
 
     def _wrap(self) -> None:
         if not self.distributed:
@@ -213,6 +260,8 @@ class FSDPRunner(CheckpointMixin, Runner):
                 and not issubclass(self._wrapper_cls, MMDistributedDataParallel)):
             device = current_device()  # mmengine's DDP: the stock Runner's device_ids, CPU-aware
             default_args['device_ids'] = None if device.type == 'cpu' else [device.index]
+        if self._staged_on_cpu() and not self._meta_init:
+            default_args['sync_module_states'] = True
         self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
         if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
             retarget_parameters(self.optim_wrapper, names, self.model)

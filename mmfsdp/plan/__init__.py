@@ -12,9 +12,9 @@ from torch import nn
 from ..options import wrapper_options
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
-from .spec import Padding, ShardingSpec
+from .spec import Construction, Padding, ShardingSpec
 
-__all__ = ['Padding', 'Plan', 'ShardingSpec', 'Unit', 'format_plan', 'make_plan',
+__all__ = ['Construction', 'Padding', 'Plan', 'ShardingSpec', 'Unit', 'format_plan', 'make_plan',
            'optimizer_states_per_param', 'plan_for', 'plan_to_dict', 'plan_warnings']
 
 

@@ -1,6 +1,8 @@
 """Dry run: ``python -m mmfsdp.plan CONFIG --world-size 1 8 64 [--cfg-options ...]``.
 
-Builds the config's model on the meta device (no process group, no memory,
+Builds the config's model with its parameters and buffers on the meta device
+(:func:`mmfsdp.meta_init.empty_weights`, as ``init_device='meta'`` builds it:
+constructors may still compute with tensors; no process group, no memory,
 seconds even for billions of parameters), applies the configured wrapper and
 policy, and prints the plan for each world size, as tables or as JSON.
 
@@ -15,13 +17,13 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-import torch
 from mmengine.config import DictAction
 from mmengine.registry import MODELS, DefaultScope
 
 import mmfsdp  # noqa: F401  (fills the registries)
 
 from ..config import load_config
+from ..meta_init import empty_weights
 from ..wrappers.builder import resolve_wrapper_type
 from . import Plan, format_plan, plan_for, plan_to_dict
 
@@ -53,7 +55,7 @@ def _plans(config: str, cfg_options: dict, world_sizes: Sequence[int]) -> List[P
     scope = cfg.get('default_scope', 'mmengine')
     wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
     wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
-    with DefaultScope.overwrite_default_scope(scope), torch.device('meta'):
+    with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
         model = MODELS.build(cfg.model)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     return [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer) for n in world_sizes]

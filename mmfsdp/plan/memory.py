@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from .spec import Padding, ShardingSpec
+from .spec import Construction, Padding, ShardingSpec
 
 __all__ = ['Plan', 'Unit', 'make_plan', 'optimizer_states_per_param']
 
@@ -62,6 +62,8 @@ class Plan:
     unsharded_bytes: int = 0
     #: Modules whose parameters no unit claims (they stay in the root unit).
     root_modules: Tuple[str, ...] = field(default=())
+    #: Bytes of one parameter element (the model's dtype).
+    element_bytes: int = 4
 
     @property
     def model_state_bytes_per_rank(self) -> int:
@@ -77,6 +79,20 @@ class Plan:
     def root(self) -> Unit:
         """The root unit: the parameters no other unit claims."""
         return next(u for u in self.units if u.name == '')
+
+    @property
+    def construction_bytes_per_rank(self) -> int:
+        """Device bytes of parameters while the wrapper builds the model (its peak).
+
+        The full model; or the shards plus 2 x the largest unit (FSDP1 moves a
+        unit and flattens it into a copy); or the shards alone (meta init).
+        """
+        shards = sum(u.param_bytes for u in self.units)
+        if self.spec.construction is Construction.SHARDS:
+            return shards
+        if self.spec.construction is Construction.UNIT_BY_UNIT:
+            return shards + 2 * max(u.numel for u in self.units) * self.element_bytes
+        return self.numel * self.element_bytes
 
     @property
     def peak_bytes_per_rank_estimate(self) -> int:
@@ -146,4 +162,5 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     total = sum(u.numel for u in units)
     elem = next(model.parameters()).element_size() if total else 4
     return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
-                unsharded_bytes=total * elem * (2 + optimizer_states), root_modules=root_modules)
+                unsharded_bytes=total * elem * (2 + optimizer_states), root_modules=root_modules,
+                element_bytes=elem)

@@ -52,6 +52,8 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
         numel=plan.numel, unsharded_bytes=plan.unsharded_bytes,
         model_state_bytes_per_rank=plan.model_state_bytes_per_rank,
         peak_bytes_per_rank_estimate=plan.peak_bytes_per_rank_estimate,
+        construction=spec.construction.name.lower(),
+        construction_peak_bytes_per_rank=plan.construction_bytes_per_rank,
         largest_unit=plan.largest_unit.name or '(root)',
         root_modules=list(plan.root_modules),
         shared_parameters=[list(group) for group in plan.shared],
@@ -90,6 +92,8 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
                  f'{_size(plan.largest_unit.gathered_bytes)}; peak estimate '
                  f'{_size(plan.peak_bytes_per_rank_estimate)} per rank (activations not '
                  'included)')
+    lines.append(f'construction peak {_size(plan.construction_bytes_per_rank)} per rank of '
+                 f'parameters on the device ({plan.spec.construction.value})')
     if plan.spec.units and plan.root_modules:
         shown_modules = ', '.join(plan.root_modules[:12])
         more = len(plan.root_modules) - 12

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ['Padding', 'ShardingSpec']
+__all__ = ['Construction', 'Padding', 'ShardingSpec']
 
 
 class Padding(enum.Enum):
@@ -25,6 +25,18 @@ class Padding(enum.Enum):
     DIM0 = 'dim0'
     #: Not split (DDP, NO_SHARD).
     NONE = 'none'
+
+
+class Construction(enum.Enum):
+    """Where the model's weights live while the wrapper builds it: bounds the construction peak."""
+
+    #: The full model on the device, then sharded (DDP; FSDP2 without meta init).
+    FULL = 'full model on the device, then sharded'
+    #: The full model on the CPU; FSDP1 moves it to the device unit by unit
+    #: (the device holds the shards, one unit and its flat copy).
+    UNIT_BY_UNIT = 'full model on the CPU, moved to the device unit by unit'
+    #: Built on the meta device; each rank allocates only its shards (FSDP2 meta init).
+    SHARDS = 'meta init: only the shards are allocated'
 
 
 @dataclass(frozen=True)
@@ -52,3 +64,5 @@ class ShardingSpec:
     #: dtype of the gathered parameters used in compute (mixed precision), or
     #: ``None`` for the parameters' own dtype.
     compute_dtype: Optional[torch.dtype] = None
+    #: How the wrapper builds the model (see :class:`Construction`).
+    construction: Construction = Construction.FULL

@@ -19,15 +19,17 @@ from ..activation_checkpointing import (
     resolve_activation_checkpointing,
 )
 from ..dist import current_device
+from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
 from ..options import (
     check_keys,
     resolve_backward_prefetch,
     resolve_cpu_offload,
     resolve_flag,
+    resolve_init_device,
     resolve_mixed_precision,
     resolve_sharding_strategy,
 )
-from ..plan.spec import Padding, ShardingSpec
+from ..plan.spec import Construction, Padding, ShardingSpec
 from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from .guard import reject_stock_runner
@@ -62,9 +64,12 @@ class FSDPConfig:
     forward_prefetch: bool = False
     #: Bound the number of all-gathers in flight (caps memory on accelerators).
     limit_all_gathers: bool = True
-    #: Broadcast rank 0's weights at construction; FSDPRunner already broadcasts
-    #: the full weights before sharding, so this is for use outside it.
+    #: Broadcast rank 0's weights at construction, unit by unit on the device.
+    #: FSDPRunner turns it on where it keeps the model on the CPU until wrapping.
     sync_module_states: bool = False
+    #: ``'meta'``: build on the meta device; the model is materialised and
+    #: initialised on the CPU, then moved to the device unit by unit.
+    init_device: Optional[str] = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> 'FSDPConfig':
@@ -103,6 +108,7 @@ _RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
     forward_prefetch=functools.partial(resolve_flag, key='model_wrapper_cfg.forward_prefetch'),
     limit_all_gathers=functools.partial(resolve_flag, key='model_wrapper_cfg.limit_all_gathers'),
     sync_module_states=functools.partial(resolve_flag, key='model_wrapper_cfg.sync_module_states'),
+    init_device=resolve_init_device,
 )
 
 
@@ -119,6 +125,12 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
     the full model before sharding, groups parameters by their unsharded
     shapes and clips by the global norm; mmengine's stock Runner is refused.
 
+    The device never holds the full model: the model stays on the CPU until
+    wrapping and FSDP moves it to the device unit by unit (``device_id``),
+    with rank 0's weights broadcast per unit on the device. With
+    ``init_device='meta'`` the model is built on the meta device and
+    materialised on the CPU with the verified init of :mod:`mmfsdp.meta_init`.
+
     Config::
 
         runner_type = 'mmfsdp.FSDPRunner'
@@ -129,8 +141,12 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             backward_prefetch='pre',               # 'pre' | 'post' | None
             mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
             cpu_offload=False,
-            activation_checkpointing=dict(layer_cls=['TransformerBlock']))
+            activation_checkpointing=dict(layer_cls=['TransformerBlock']),
+            init_device=None)                      # 'meta': build without weights first
     """
+
+    #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
+    supports_meta_init = True
 
     def __new__(cls, module: Optional[nn.Module] = None, **config: Any) -> nn.Module:
         """A new wrapper; for a model with its own steps, one FSDP1 root per child.
@@ -147,8 +163,19 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
     def __init__(self, module: nn.Module, **config: Any) -> None:
         reject_stock_runner(type(self).__name__)
         cfg = FSDPConfig.from_dict(config)
-        cfg.check_device(current_device())
+        device = current_device()
+        cfg.check_device(device)
         policy, checkpoint_layers = cfg.for_model(module)
+        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if on_meta and cfg.init_device != 'meta':
+            raise ValueError("the model is on the meta device; set init_device='meta' in the "
+                             'wrapper config to materialise it before sharding')
+        if on_meta:
+            check_init_cfgs(module)
+            # On the CPU, then to the device unit by unit: FSDP1 flattens whole
+            # tensors, so shape-dependent initialisers need them unsharded.
+            materialize(module, torch.device('cpu'),
+                        broadcast='all' if device.type == 'cpu' else None)
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
@@ -156,11 +183,13 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             backward_prefetch=cfg.backward_prefetch,
             mixed_precision=cfg.mixed_precision,
             cpu_offload=cfg.cpu_offload,
-            device_id=current_device(),
+            device_id=device,
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers,
-            sync_module_states=cfg.sync_module_states,
+            # FSDP1 broadcasts only tensors on an accelerator; on the CPU materialize() did
+            sync_module_states=cfg.sync_module_states or (on_meta and device.type != 'cpu'),
             use_orig_params=True)
+        set_preprocessor_device(self.module, device)
         apply_activation_checkpointing_to(self, checkpoint_layers)
 
     @classmethod
@@ -202,4 +231,5 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
             keep_gathered_until_backward=sharded and strategy in (
                 ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2),
-            compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None)
+            compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None,
+            construction=Construction.UNIT_BY_UNIT)

@@ -21,7 +21,7 @@ from ..activation_checkpointing import (
 )
 from ..clip import clip_grads_by_global_norm
 from ..dist import current_device
-from ..meta_init import materialize
+from ..meta_init import check_init_cfgs, materialize
 from ..options import (
     NODE,
     MeshSpec,
@@ -35,7 +35,7 @@ from ..options import (
     resolve_reshard_after_forward,
     translate_sharding_strategy,
 )
-from ..plan.spec import Padding, ShardingSpec
+from ..plan.spec import Construction, Padding, ShardingSpec
 from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from ..tied import merge_units_sharing_parameters
@@ -224,10 +224,12 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
         cfg.check_device(device)
         self.mesh = build_mesh(cfg.mesh, device)
         check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
-        on_meta = any(t.is_meta for t in module.parameters())
+        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if on_meta and cfg.init_device != 'meta':
             raise ValueError("the model is on the meta device; set init_device='meta' in the "
                              'wrapper config to materialise it after sharding')
+        if on_meta:
+            check_init_cfgs(module)
         # A model with its own steps calls its children directly: each is its own root.
         roots = separate_roots(module, 'mmfsdp.MMFullyShard') if own_steps(module) else None
         self.units = shard_model(module, self.mesh, policy, checkpoint_layers,
@@ -275,7 +277,9 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
             padding=Padding.DIM0 if shard > 1 else Padding.NONE,
             shard_params=shard > 1, shard_grads=shard > 1, shard_optimizer=shard > 1,
             keep_gathered_until_backward=shard > 1 and reshard is not True,
-            compute_dtype=cfg.mixed_precision.param_dtype)
+            compute_dtype=cfg.mixed_precision.param_dtype,
+            construction=(Construction.SHARDS if cfg.init_device == 'meta'
+                          else Construction.FULL))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded model's forward; gradients of the coming backward sync unless in no_sync."""

@@ -1,0 +1,43 @@
+"""Meta-device initialisation: no rank ever holds the full model, and no tensor holds garbage.
+
+With ``init_device='meta'`` in the wrapper config, :class:`mmfsdp.FSDPRunner`
+builds the model with its parameters and buffers on the meta device
+(:func:`build_on_meta`, :mod:`.build`), wraps it at once, and the wrapper
+allocates, initialises and verifies it (:func:`materialize`): FSDP2 after
+sharding (each rank allocates its shards), FSDP1 on the CPU before wrapping
+(FSDP1 then moves it to the device unit by unit).
+
+- :mod:`.build`: registration on meta; constructor values recorded;
+- :mod:`.materialize`: allocate, replay construction, ``init_weights``;
+- :mod:`.pretrained`: ``init_cfg=Pretrained`` reading only each rank's slices;
+- :mod:`.written`: the sentinel check and its error, the same on every rank.
+"""
+from typing import Any, Mapping
+
+from .build import RECORD_LIMIT_BYTES, build_on_meta, empty_weights, recorded
+from .materialize import materialize, set_preprocessor_device
+from .pretrained import (
+    SHARD_SAFE_INIT_TYPES,
+    allow_unsafe_pretrained,
+    check_init_cfgs,
+    load_pretrained,
+)
+from .written import (
+    Unwritten,
+    UnwrittenTensorsError,
+    WriteTracker,
+    agree_on_unwritten,
+    defer_check,
+    unwritten,
+)
+
+__all__ = ['RECORD_LIMIT_BYTES', 'SHARD_SAFE_INIT_TYPES', 'Unwritten', 'UnwrittenTensorsError',
+           'WriteTracker', 'agree_on_unwritten', 'allow_unsafe_pretrained', 'build_on_meta',
+           'check_init_cfgs', 'defer_check', 'empty_weights', 'load_pretrained', 'materialize',
+           'recorded', 'set_preprocessor_device', 'unwritten', 'wants_meta_init']
+
+
+def wants_meta_init(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> bool:
+    """Whether the wrapper config asks for the model to be built on the meta device."""
+    return (getattr(wrapper_cls, 'supports_meta_init', False)
+            and wrapper_cfg.get('init_device') == 'meta')
