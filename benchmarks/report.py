@@ -106,10 +106,11 @@ def goals(res: Results) -> List[Goal]:
                     f'{_s(r["ratio"], fmt="{:.3f}")} over {r["steps"]} rounds' if r else '—',
                     None if not r else r['ratio']['median'] <= OVERHEAD_LIMIT))
     for n in sorted({r['world_size'] for r in res.of('construction', init='meta')}):
-        rows = res.of('construction', init='meta', world_size=n)
+        rows = [r for r in res.of('construction', init='meta', world_size=n)
+                if r.get('wrapper', 'fsdp2') == 'fsdp2']
         worst = max(r['peak_bytes'] for r in rows)
         bound = rows[0]['goal_bytes']
-        out.append((f"Construction peak per rank, init_device='meta', {rows[0]['model']}, "
+        out.append((f"Construction peak per rank, FSDP2 init_device='meta', {rows[0]['model']}, "
                     f'N = {n}', f'≤ shard + 2 × largest unit = {_mib(bound)} MiB',
                     f'{_mib(worst)} MiB (worst of {len(rows)} processes × {n} ranks)',
                     worst <= bound))
@@ -440,30 +441,38 @@ def _construction_lines(res: Results) -> List[str]:
     rows = res.of('construction')
     if not rows:
         return []
-    groups: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
+    groups: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r['init'], r['world_size']), []).append(r)
+        groups.setdefault((r.get('wrapper', 'fsdp2'), r['init'], r['world_size']), []).append(r)
     r0 = rows[0]
     lines = [
         '## 7. Construction memory', '',
         f'{r0["model"]} ({_params(r0["params"])}) through `FSDPRunner` with '
-        "`mmfsdp.MMFullyShard` (one unit per block): eager (every rank builds, initialises and "
-        "broadcasts the full model, then shards it) vs `init_device='meta'` (built on the meta "
-        'device, sharded, then each rank allocates and initialises its shards). The peak is the '
-        'resident-set high-water mark from before the model is built until `before_train` '
-        '(model, wrapper and optimizer built; AdamW state is allocated at the first step), the '
-        'maximum over ranks, median (min–max) over separate processes.', '']
+        "`mmfsdp.MMFullyShard` (FSDP2) or `mmfsdp.MMFullyShardedDataParallel` (FSDP1, "
+        'FULL_SHARD), one unit per block: eager (every rank builds and initialises the full '
+        "model, then shards it) vs `init_device='meta'` (FSDP2: built on the meta device, "
+        'sharded, then each rank allocates and initialises its shards; FSDP1: built on the meta '
+        'device, materialised and initialised on the CPU, then moved to the device unit by unit '
+        '— on a CPU-only machine the host *is* the device, so FSDP1 holds the full model either '
+        'way; the bound is for the accelerator, where only the shards and a unit reach it). The '
+        'peak is the resident-set high-water mark from before the model is built until '
+        '`before_train` (model, wrapper and optimizer built; AdamW state is allocated at the first '
+        'step), the maximum over ranks, median (min–max) over separate processes.', '']
     table = []
-    for (init, n), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (wrapper, init, n), group in sorted(groups.items(),
+                                            key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         g0 = group[0]
         peak = summary(r['peak_bytes'] for r in group)
         ok = peak['max'] <= g0['goal_bytes']
-        table.append([init, str(n), _s(peak, 1 / MIB, '{:,.1f}'), _mib(g0['shard_bytes']),
+        goal = init == 'meta' and wrapper == 'fsdp2'
+        table.append([wrapper.upper(), init, str(n), _s(peak, 1 / MIB, '{:,.1f}'),
+                      _mib(g0['shard_bytes']),
                       _mib(g0['largest_unit_bytes']), _mib(g0['goal_bytes']),
                       _mib(g0['full_model_bytes']), _mib(g0['model_state_bytes']),
-                      _mark(ok) if init == 'meta' else ('within' if ok else 'above') +
-                      ' (no goal)'])
-    lines += _table(['init', 'N', 'peak MiB per rank', 'param shard MiB', 'largest unit MiB',
+                      _mark(ok) if goal else ('within' if ok else 'above') +
+                      ' (no goal on CPU)'])
+    lines += _table(['wrapper', 'init', 'N', 'peak MiB per rank', 'param shard MiB',
+                     'largest unit MiB',
                      'shard + 2 × unit MiB', 'full model 4P MiB', 'model state 16P/N MiB',
                      'vs shard + 2 × unit'], table)
     return lines + ['']

@@ -99,11 +99,13 @@ def plan_jobs(suite: Suite) -> List[Dict[str, Any]]:
             batch_size=suite.overhead_batch, seq_len=suite.overhead_seq,
             warmup=suite.overhead_warmup, steps=suite.overhead_steps)]))
     for n in suite.construction_world_sizes:
-        for init in ('eager', 'meta'):
-            for repeat in range(suite.construction_repeats):
-                jobs.append(dict(nproc=n, cases=[dict(
-                    kind='construction', model=suite.construction_model, init=init,
-                    name=f'construction/{suite.construction_model}/N{n}/{init}/{repeat}')]))
+        for wrapper in ('fsdp2', 'fsdp1'):
+            for init in ('eager', 'meta'):
+                for repeat in range(suite.construction_repeats):
+                    jobs.append(dict(nproc=n, cases=[dict(
+                        kind='construction', model=suite.construction_model, init=init,
+                        wrapper=wrapper, name=f'construction/{suite.construction_model}/N{n}/'
+                        f'{wrapper}/{init}/{repeat}')]))
     for kind in CHECKPOINT_TYPES:
         jobs.append(dict(nproc=2, cases=[checkpoint_case(kind, suite.checkpoint_model,
                                                          suite.checkpoint_repeats)]))
