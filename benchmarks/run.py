@@ -13,6 +13,7 @@ results (``benchmarks/results/<mode>.json``, written after every job, so
   per world size: checks the harness, not the machine (the test suite runs it).
 """
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -169,10 +170,17 @@ def _save(path: str, data: Dict[str, Any]) -> None:
 
 
 def run_suite(mode: str, out: str, resume: bool = False,
-              log: Any = sys.stderr) -> Dict[str, Any]:
-    """Run every job of ``mode``; save the results to ``out`` after each job."""
+              log: Any = sys.stderr, only: Optional[str] = None,
+              repeats: Optional[int] = None) -> Dict[str, Any]:
+    """Run every job of ``mode`` (``only``: of that kind); save the results to ``out`` after each.
+
+    ``repeats`` overrides the suite's construction repeats.
+    """
     suite = SUITES[mode]
-    jobs = plan_jobs(suite)
+    if repeats is not None:
+        suite = dataclasses.replace(suite, construction_repeats=repeats)
+    jobs = [job for job in plan_jobs(suite)
+            if only is None or all(c['kind'] == only for c in job['cases'])]
     data = _load(out) if resume and os.path.exists(out) else None
     if data is None or data.get('mode') != mode:
         data = dict(mode=mode, machine=machine(), results=[], jobs=[])
@@ -228,9 +236,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         'docs/benchmarks.md)')
     parser.add_argument('--img-dir', help='directory of the plots (default: docs/img next to '
                         'the report)')
+    parser.add_argument('--only', choices=['memory', 'overhead', 'construction', 'checkpoint'],
+                        help='run only the jobs of this kind (use with --out)')
+    parser.add_argument('--repeats', type=int, help='separate processes per construction case')
     args = parser.parse_args(argv)
     out = args.out or os.path.join(REPO, 'benchmarks', 'results', f'{args.mode}.json')
-    data = run_suite(args.mode, out, args.resume)
+    data = run_suite(args.mode, out, args.resume, only=args.only, repeats=args.repeats)
     from .report import render, write_report
     report = args.report or (os.path.join(REPO, 'docs', 'benchmarks.md')
                              if args.mode == 'full' else None)

@@ -37,6 +37,7 @@ from .startup import check_launcher
 from .together import fail_together
 from .wrappers import MMDistributedDataParallel
 from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
+from .wrappers.steps import own_steps
 
 __all__ = ['FSDPRunner']
 
@@ -129,6 +130,7 @@ class FSDPRunner(CheckpointMixin, Runner):
                                                                self._wrapper_cfg)
         self._meta_pending: list = []
         self._meta_check_after_load = False
+        self._staged = False
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'))
             atexit.register(_destroy_process_group)
@@ -192,7 +194,8 @@ class FSDPRunner(CheckpointMixin, Runner):
                 self._wrap()
             self._meta_pending, self._meta_check_after_load = pending, loads
             return self.model
-        if not self._staged_on_cpu():
+        self._staged = self._stages_on_cpu(model)
+        if not self._staged:
             model = model.to(current_device())
         self._check_before_wrapping(model)
         return model
@@ -208,21 +211,23 @@ class FSDPRunner(CheckpointMixin, Runner):
             check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
         check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
 
-    def _staged_on_cpu(self) -> bool:
+    def _stages_on_cpu(self, model: nn.Module) -> bool:
         """Whether the model stays on the CPU until FSDP1 moves it unit by unit.
 
         On an accelerator only: FSDP1's broadcast (``sync_module_states``)
-        takes device tensors; on the CPU the stock broadcast serves.
+        takes device tensors; on the CPU the stock broadcast serves. Not for a
+        model with its own steps (FSDP1 wraps its children separately).
         """
         return (issubclass(self._wrapper_cls, FullyShardedDataParallel)
                 and current_device().type != 'cpu'
-                and self._wrapper_cfg.get('sync_module_states') is not False)
+                and self._wrapper_cfg.get('sync_module_states') is not False
+                and not own_steps(model))
 
     def _init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
         if self._meta_init:
             return
-        if self._staged_on_cpu():
+        if self._staged:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
                 model.init_weights()  # FSDP1 broadcasts rank 0's weights unit by unit
@@ -260,7 +265,7 @@ class FSDPRunner(CheckpointMixin, Runner):
                 and not issubclass(self._wrapper_cls, MMDistributedDataParallel)):
             device = current_device()  # mmengine's DDP: the stock Runner's device_ids, CPU-aware
             default_args['device_ids'] = None if device.type == 'cpu' else [device.index]
-        if self._staged_on_cpu() and not self._meta_init:
+        if self._staged and not self._meta_init:
             default_args['sync_module_states'] = True
         self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
         if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):

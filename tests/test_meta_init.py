@@ -324,6 +324,9 @@ def test_empty_weights_puts_only_parameters_and_buffers_on_meta():
         model = MetaZoo(unset=True)
         big = nn.Module()
         big.register_buffer('table', torch.zeros(RECORD_LIMIT_BYTES // 4 + 1))
+        late = nn.Module()
+        late.register_buffer('pe', torch.zeros(4, 4))
+        late.pe[:, 0::2] = 1.0  # went to meta: lost, so not restorable
     assert model.rates == pytest.approx([0.0, 0.1])
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     values = recorded(model)
@@ -332,6 +335,7 @@ def test_empty_weights_puts_only_parameters_and_buffers_on_meta():
     assert values['unset'].value is None and values['unset'].missing == 'unset'
     assert recorded(model.embed)['weight'].missing == 'unset'  # torch.empty, reset later
     assert recorded(big)['table'].missing == 'too large'
+    assert recorded(late)['pe'].missing == 'written after registration'
     assert not torch.empty(1).is_meta  # patches undone
 
 

@@ -13,14 +13,18 @@ made by ``torch.zeros`` / ``ones`` / ``arange`` / ``full`` / arithmetic
 before it goes to meta, up to :data:`RECORD_LIMIT_BYTES` per tensor, and
 :func:`mmfsdp.meta_init.materialize` writes it back onto the shards. A tensor
 allocated by ``torch.empty`` and not written before registration holds no value
-and is not recorded (an initialiser must write it). Which storages are still
+and is not recorded (an initialiser must write it); nor is one the constructor
+writes into after registering it (the write went to meta and is lost), unless
+the write came from ``reset_parameters`` / ``_reset_parameters`` /
+``init_weights``, which materialisation runs again. Which storages are still
 uninitialised is tracked by a dispatch mode that sees every operator of the
 constructor.
 """
 import contextlib
+import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from mmengine.registry import MODELS
@@ -44,8 +48,10 @@ class Recorded:
 
     #: Its value on the CPU, or ``None`` when it had none or was too large.
     value: Optional[torch.Tensor]
-    #: Why there is no value: ``'unset'`` (``torch.empty``, never written) or
-    #: ``'too large'`` (over :data:`RECORD_LIMIT_BYTES`).
+    #: Why there is no value: ``'unset'`` (``torch.empty``, never written),
+    #: ``'too large'`` (over :data:`RECORD_LIMIT_BYTES`) or ``'written after
+    #: registration'`` (the constructor wrote into it once it was on meta, other
+    #: than through ``reset_parameters`` / ``init_weights``, which are replayed).
     missing: Optional[str] = None
 
 
@@ -63,12 +69,43 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr() if tensor.device.type != 'meta' else 0
 
 
-class _UnsetStorages(TorchDispatchMode):
-    """Remembers storages allocated empty until an operator writes to them."""
+#: Functions whose writes materialisation replays (``reset_parameters`` and
+#: ``init_weights`` run again there).
+_REPLAYED = frozenset({'reset_parameters', '_reset_parameters', 'init_weights', '_init_weights'})
+
+
+def _replayed() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _REPLAYED:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _ConstructionWatch(TorchDispatchMode):
+    """Sees every operator of a constructor.
+
+    Remembers storages allocated empty until an operator writes to them, and
+    notices writes into parameters / buffers already on meta from anywhere but
+    an initialiser that materialisation replays: such a value is lost.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.unset: Set[int] = set()
+        #: meta storage -> (module, tensor name) of registered parameters and buffers
+        self.registered: Dict[int, Tuple[weakref.ref[nn.Module], str]] = {}
+
+    def watch(self, module: nn.Module, name: str, meta: torch.Tensor) -> None:
+        """Report writes into ``meta``, registered as ``module.<name>``."""
+        self.registered[meta.untyped_storage()._cdata] = (weakref.ref(module), name)
+
+    def _wrote_meta(self, tensor: torch.Tensor) -> None:
+        owner = self.registered.get(tensor.untyped_storage()._cdata)
+        module = owner[0]() if owner else None
+        if module is not None and not _replayed():
+            _RECORDS.setdefault(module, {})[owner[1]] = Recorded(None, 'written after registration')
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
@@ -81,8 +118,12 @@ class _UnsetStorages(TorchDispatchMode):
                    if a.alias_info is not None and a.alias_info.is_write]
         values = dict(zip((a.name for a in schema.arguments), args), **kwargs)
         for name in written:
-            if isinstance(values.get(name), torch.Tensor):
-                self.unset.discard(_storage_key(values[name]))
+            value = values.get(name)
+            if isinstance(value, torch.Tensor):
+                if value.is_meta:
+                    self._wrote_meta(value)
+                else:
+                    self.unset.discard(_storage_key(value))
         results = out if isinstance(out, (tuple, list)) else (out, )
         for result in results:
             if isinstance(result, torch.Tensor) and result.numel():
@@ -95,7 +136,7 @@ class _UnsetStorages(TorchDispatchMode):
 
 
 def _record(module: nn.Module, name: str, tensor: torch.Tensor,
-            unset: _UnsetStorages, keep: bool) -> None:
+            unset: _ConstructionWatch, keep: bool) -> None:
     if not keep:
         return
     if tensor.numel() and _storage_key(tensor) in unset.unset:
@@ -122,7 +163,7 @@ def empty_weights(record: bool = True) -> Iterator[None]:
     """
     register_parameter = nn.Module.register_parameter
     register_buffer = nn.Module.register_buffer
-    unset = _UnsetStorages()
+    unset = _ConstructionWatch()
 
     def to_meta_parameter(module: nn.Module, name: str,
                           param: Optional[nn.Parameter]) -> None:
@@ -131,6 +172,7 @@ def empty_weights(record: bool = True) -> Iterator[None]:
                 and not isinstance(param, nn.parameter.UninitializedParameter)):
             _record(module, name, param, unset, record)
             module._parameters[name] = _meta_parameter(param)
+            unset.watch(module, name, module._parameters[name])
 
     def to_meta_buffer(module: nn.Module, name: str, tensor: Optional[torch.Tensor],
                        persistent: bool = True) -> None:
@@ -139,6 +181,7 @@ def empty_weights(record: bool = True) -> Iterator[None]:
                 and not isinstance(tensor, nn.parameter.UninitializedBuffer)):
             _record(module, name, tensor, unset, record)
             module._buffers[name] = tensor.detach().to('meta')
+            unset.watch(module, name, module._buffers[name])
 
     nn.Module.register_parameter = to_meta_parameter
     nn.Module.register_buffer = to_meta_buffer

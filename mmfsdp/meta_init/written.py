@@ -148,9 +148,11 @@ def _message(found: Sequence[Unwritten]) -> str:
         by_owner.setdefault(item.owner, []).append(item)
     lines = []
     for owner, items in by_owner.items():
-        names = ', '.join(i.name + {'too large': ' (constructor value over the record limit)',
-                                    'unset': ' (allocated empty by its constructor)'
-                                    }.get(i.why, '') for i in items[:8])
+        names = ', '.join(i.name + {
+            'too large': ' (constructor value over the record limit)',
+            'unset': ' (allocated empty by its constructor)',
+            'written after registration': ' (its constructor wrote it after registering it)',
+        }.get(i.why, '') for i in items[:8])
         more = f' and {len(items) - 8} more' if len(items) > 8 else ''
         lines.append(f'  {owner}: {names}{more}')
     owners = ', '.join(f'`{o}`' for o in by_owner)
