@@ -6,8 +6,9 @@ Usage::
 
 Runs in one process, without a process group: ``torch.distributed.checkpoint``
 reads every shard. The result has the format ``state_dict_type='full'`` writes:
-the unwrapped model's keys, a name-keyed optimizer state, and nothing that
-``torch.load(weights_only=True)`` rejects.
+the unwrapped model's keys, a name-keyed optimizer state, ``ema_state_dict``
+when ``EMAHook`` saved one, and nothing that ``torch.load(weights_only=True)``
+rejects.
 """
 import argparse
 import os
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .checkpoint.safe_io import load_file, save_atomically
 from .checkpoint.sharded import is_sharded_checkpoint, read_sharded_meta
+from .ema import EMA_SHARDS_KEY, full_ema_entries
 
 __all__ = ['consolidate', 'main']
 
@@ -40,6 +42,9 @@ def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any
         dcp_to_torch_save(src, merged)
         shards = load_file(merged)
     checkpoint['state_dict'] = shards['model']
+    if EMA_SHARDS_KEY in shards:  # EMAHook's convention, see mmfsdp.ema
+        ema = shards[EMA_SHARDS_KEY]
+        checkpoint.update(full_ema_entries(shards['model'], ema['state_dict'], ema['steps']))
     if 'optimizer' in shards:
         optimizer = shards['optimizer']
         if 'state' in optimizer:

@@ -19,6 +19,7 @@ from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .dist import current_device, init_distributed
+from .ema import configures_ema
 from .meta_init import (
     WriteTracker,
     agree_on_unwritten,
@@ -278,7 +279,8 @@ class FSDPRunner(CheckpointMixin, Runner):
             return
         optimizer = (self.cfg.get('optim_wrapper') or {}).get('optimizer')
         plan = plan_for(self._wrapper_cls, self._wrapper_cfg, model, self.world_size,
-                        optimizer if isinstance(optimizer, Mapping) else None)
+                        optimizer if isinstance(optimizer, Mapping) else None,
+                        ema=configures_ema(self.cfg.get('custom_hooks')))
         self.logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
         for warning in plan_warnings(plan):
             self.logger.warning(f'Sharding plan: {warning}')

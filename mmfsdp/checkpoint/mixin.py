@@ -14,7 +14,9 @@ import mmengine
 import torch.distributed as dist
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
+from mmengine.hooks import EMAHook as MMEngineEMAHook
 
+from ..ema import EMAHook
 from ..names import for_tta_model, model_state_names
 from ..together import control_group, fail_together
 from .durable import remove_stale_temporaries
@@ -54,6 +56,11 @@ def resolve_save_timeout(value: Any) -> float:
     return float(value)
 
 
+#: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
+_REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, MMEngineCheckpointHook: CheckpointHook,
+                   'EMAHook': EMAHook, MMEngineEMAHook: EMAHook}
+
+
 class CheckpointMixin:
     """Checkpointing for a Runner whose model may be sharded.
 
@@ -68,14 +75,18 @@ class CheckpointMixin:
     """
 
     def register_hook(self, hook: Any, priority: Any = None) -> None:
-        """Register a hook; a stock ``CheckpointHook`` becomes the crash-safe one.
+        """Register a hook; stock hooks that break under sharding become mmfsdp's.
 
-        See :class:`mmfsdp.checkpoint.CheckpointHook`: same options, but the
-        expired checkpoint is deleted only after the new one is complete.
+        - ``CheckpointHook`` -> :class:`mmfsdp.checkpoint.CheckpointHook`: same
+          options, but the expired checkpoint is deleted only after the new one
+          is complete;
+        - ``EMAHook`` -> :class:`mmfsdp.ema.EMAHook`: same options, each rank
+          averages its own shards.
         """
-        if isinstance(hook, dict) and hook.get('type') in ('CheckpointHook',
-                                                           MMEngineCheckpointHook):
-            hook = dict(hook, type=CheckpointHook)
+        if isinstance(hook, dict):
+            replacement = _REPLACED_HOOKS.get(hook.get('type'))
+            if replacement is not None:
+                hook = dict(hook, type=replacement)
         super().register_hook(hook, priority)
 
     def save_checkpoint(self,
@@ -112,6 +123,8 @@ class CheckpointMixin:
             checkpoint['state_dict'], optimizer = gather_full_state(self.model, optim_wrapper)
             if optimizer is not None:
                 checkpoint['optimizer'] = optimizer
+            # hooks with sharded state of their own (EMAHook) gather it, on every rank
+            self.call_hook('collect_checkpoint_state', checkpoint=checkpoint)
             with fail_together(f'saving checkpoint {path}', wait_s):
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
@@ -120,10 +133,13 @@ class CheckpointMixin:
         else:
             if optim_wrapper is not None:
                 checkpoint['optimizer_extras'] = optimizer_extras(optim_wrapper)
+            extra_shards: Dict[str, Any] = {}
+            self.call_hook('collect_checkpoint_state', checkpoint=checkpoint,
+                           shards=extra_shards)
             with fail_together(f'before_save_checkpoint hooks for {path}'):
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s)
+            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards)
 
     def load_checkpoint(self,
                         filename: str,
@@ -142,6 +158,7 @@ class CheckpointMixin:
             checkpoint = read_sharded_meta(filename, allow_unsafe)
             self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
             load_sharded(filename, self.model, strict=strict)
+            self.call_hook('after_load_checkpoint_shards', path=filename, checkpoint=checkpoint)
         else:
             checkpoint = load_file(filename, allow_unsafe)
             self.call_hook('after_load_checkpoint', checkpoint=checkpoint)

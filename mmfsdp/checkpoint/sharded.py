@@ -3,6 +3,7 @@
 Layout of ``iter_N.pth/`` (the path a full checkpoint file would have)::
 
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint: model + optimizer tensors
+                                   (+ ``ema``: see :mod:`mmfsdp.ema`)
     mmengine.pth                   meta, message hub, schedulers, optimizer param groups
                                    and optim-wrapper extras (plain values, weights_only-safe)
 
@@ -44,19 +45,22 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 
 def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
-                 extra: Dict[str, Any], wait_s: Optional[float] = None) -> None:
+                 extra: Dict[str, Any], wait_s: Optional[float] = None,
+                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
     """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective).
 
     Rank 0's own steps (clearing a stale temporary directory, writing the meta
     file, renaming) end in :func:`~mmfsdp.together.fail_together`: if they
     fail, every rank raises. ``wait_s`` bounds how long the other ranks wait
-    for rank 0's writes.
+    for rank 0's writes. ``extra_shards`` are saved beside the model and
+    optimizer shards (e.g. ``EMAHook``'s, under ``'ema'``).
     """
     tmp = path + TMP_SUFFIX
     with fail_together(f'clearing {tmp}'):
         if is_main_process() and os.path.isdir(tmp):
             shutil.rmtree(tmp)
     shards, param_groups = sharded_state(model, optim_wrapper)
+    shards.update(extra_shards or {})
     with _single_process_is_intended():
         dcp.save(shards, checkpoint_id=tmp)
     with fail_together(f'saving checkpoint {path}', wait_s):

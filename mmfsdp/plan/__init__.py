@@ -19,8 +19,9 @@ __all__ = ['Construction', 'Padding', 'Plan', 'ShardingSpec', 'Unit', 'format_pl
 
 
 def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-             world_size: int, optimizer_cfg: Optional[Mapping[str, Any]] = None) -> Plan:
-    """The plan of ``model`` under a ``model_wrapper_cfg``.
+             world_size: int, optimizer_cfg: Optional[Mapping[str, Any]] = None,
+             ema: bool = False) -> Plan:
+    """The plan of ``model`` under a ``model_wrapper_cfg`` (``ema``: an EMAHook is configured).
 
     Raises ``TypeError`` if the wrapper cannot describe its sharding (only
     mmfsdp's wrappers can).
@@ -32,4 +33,4 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     options = wrapper_options(wrapper_cfg)
     spec = describe(options, model, world_size)
     return make_plan(model, spec, world_size,
-                     optimizer_states_per_param(dict(optimizer_cfg or {})))
+                     optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema)

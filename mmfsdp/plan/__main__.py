@@ -23,6 +23,7 @@ from mmengine.registry import MODELS, DefaultScope
 import mmfsdp  # noqa: F401  (fills the registries)
 
 from ..config import load_config
+from ..ema import configures_ema
 from ..meta_init import empty_weights
 from ..wrappers.builder import resolve_wrapper_type
 from . import Plan, format_plan, plan_for, plan_to_dict
@@ -58,7 +59,9 @@ def _plans(config: str, cfg_options: dict, world_sizes: Sequence[int]) -> List[P
     with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
         model = MODELS.build(cfg.model)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
-    return [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer) for n in world_sizes]
+    ema = configures_ema(cfg.get('custom_hooks'))
+    return [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema)
+            for n in world_sizes]
 
 
 def _print(text: str) -> None:

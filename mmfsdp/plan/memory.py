@@ -64,11 +64,13 @@ class Plan:
     root_modules: Tuple[str, ...] = field(default=())
     #: Bytes of one parameter element (the model's dtype).
     element_bytes: int = 4
+    #: Bytes of ``EMAHook``'s averaged parameters on one rank (its own shards), or 0.
+    ema_bytes_per_rank: int = 0
 
     @property
     def model_state_bytes_per_rank(self) -> int:
-        """Parameters + gradients + optimizer state held by one rank between steps."""
-        return sum(u.total_bytes for u in self.units)
+        """Parameters + gradients + optimizer state (+ EMA) held by one rank between steps."""
+        return sum(u.total_bytes for u in self.units) + self.ema_bytes_per_rank
 
     @property
     def largest_unit(self) -> Unit:
@@ -130,8 +132,12 @@ def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.
 
 
 def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
-              optimizer_states: int = 2) -> Plan:
-    """The memory plan of ``model`` (real or on the meta device) under ``spec``."""
+              optimizer_states: int = 2, ema: bool = False) -> Plan:
+    """The memory plan of ``model`` (real or on the meta device) under ``spec``.
+
+    With ``ema`` (an ``EMAHook`` is configured), each rank also holds an
+    averaged copy of its parameter shards (:mod:`mmfsdp.ema`).
+    """
     grouped = _unit_params(model, spec.units)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     units = []
@@ -162,5 +168,6 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     total = sum(u.numel for u in units)
     elem = next(model.parameters()).element_size() if total else 4
     return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
-                unsharded_bytes=total * elem * (2 + optimizer_states), root_modules=root_modules,
-                element_bytes=elem)
+                unsharded_bytes=total * elem * (2 + optimizer_states + int(ema)),
+                root_modules=root_modules, element_bytes=elem,
+                ema_bytes_per_rank=sum(u.param_bytes for u in units) if ema else 0)

@@ -51,6 +51,7 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
         mesh=dict(replicate=spec.replicate_size, shard=spec.shard_size),
         numel=plan.numel, unsharded_bytes=plan.unsharded_bytes,
         model_state_bytes_per_rank=plan.model_state_bytes_per_rank,
+        ema_bytes_per_rank=plan.ema_bytes_per_rank,
         peak_bytes_per_rank_estimate=plan.peak_bytes_per_rank_estimate,
         construction=spec.construction.name.lower(),
         construction_peak_bytes_per_rank=plan.construction_bytes_per_rank,
@@ -86,6 +87,9 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
                  f'{_size(sum(u.param_bytes for u in rows)):>11} '
                  f'{_size(sum(u.grad_bytes for u in rows)):>11} '
                  f'{_size(sum(u.optimizer_bytes for u in rows)):>11}')
+    if plan.ema_bytes_per_rank:
+        lines.append(f'EMA (EMAHook) per rank {_size(plan.ema_bytes_per_rank)}: the averaged '
+                     'copy of this rank\'s parameter shards only')
     lines.append(f'model states per rank {_size(plan.model_state_bytes_per_rank)} '
                  f'(unsharded: {_size(plan.unsharded_bytes)}); largest unit '
                  f"{plan.largest_unit.name or '(root)'} gathers "

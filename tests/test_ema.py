@@ -1,0 +1,268 @@
+"""``EMAHook`` under FSDP1, FSDP2 and DDP: one process's averages, sharded, resumable.
+
+One 2-rank group trains the toy model under each wrapper with the stock
+``custom_hooks=[dict(type='EMAHook', ...)]`` config, and compares with
+mmengine's stock Runner (and stock hook) training the same global batch here:
+
+- ``types/<wrapper>``: one hook of each ``ema_type`` mmengine ships, side by side;
+- ``<wrapper>-<kind>``: one hook, validation at the end (averaged weights
+  swapped in), full or sharded checkpoints at iterations 3 and 6;
+- ``resumed/<wrapper>-<kind>``: the same run resumed from iteration 3.
+"""
+import copy
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+from harness import run_distributed
+from toy import ToyClassifier, runner_config
+
+TOL = 2e-5
+FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel',
+             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+FSDP2 = dict(type='mmfsdp.MMFullyShard',
+             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+DDP = dict(type='mmfsdp.MMDistributedDataParallel')
+WRAPPERS = {'fsdp1': FSDP1, 'fsdp2': FSDP2, 'ddp': DDP}
+#: One hook of each type mmengine ships; momenta large enough to tell them apart in 6 steps.
+EMA_HOOKS = {
+    'ExponentialMovingAverage': dict(type='EMAHook', momentum=0.2),
+    'MomentumAnnealingEMA': dict(type='EMAHook', ema_type='MomentumAnnealingEMA',
+                                 momentum=0.1, gamma=4),
+    'StochasticWeightAverage': dict(type='EMAHook', ema_type='StochasticWeightAverage'),
+}
+EMA = EMA_HOOKS['ExponentialMovingAverage']
+CHECKPOINT_RUNS = [('fsdp1', 'full'), ('fsdp1', 'sharded'), ('fsdp2', 'full'),
+                   ('fsdp2', 'sharded'), ('ddp', 'sharded')]
+PER_RANK_BATCH, WORLD_SIZE, HALF, TOTAL = 4, 2, 3, 6
+
+
+def _config(name: str, work_dir: str, *, hooks: list, wrapper=None, world_size=WORLD_SIZE,
+            state_dict_type=None, resume_from=None, launcher='pytorch') -> Config:
+    cfg = runner_config(name, work_dir, wrapper=wrapper, launcher=launcher,
+                        batch_size=PER_RANK_BATCH * WORLD_SIZE // world_size, max_iters=TOTAL,
+                        val=state_dict_type is not None)
+    cfg['custom_hooks'] = copy.deepcopy(hooks)
+    if state_dict_type is not None:
+        cfg['train_cfg']['val_interval'] = TOTAL
+        cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=HALF,
+                                                  by_epoch=False)
+        if wrapper is not None:
+            cfg['default_hooks']['checkpoint']['state_dict_type'] = state_dict_type
+    if resume_from is not None:
+        cfg.update(load_from=resume_from, resume=True)
+    return Config(cfg)
+
+
+def _ema_hooks(runner) -> list:
+    return [h for h in runner.hooks if type(h).__name__ == 'EMAHook']
+
+
+def _result(runner) -> dict:
+    """Averaged and trained weights (full, float), val metric, EMA bytes on this rank."""
+    from mmfsdp.checkpoint.state import gather_full_state
+    from mmfsdp.ema import EMAHook, ema_bytes_per_rank
+    hooks = _ema_hooks(runner)
+    assert all(isinstance(h, EMAHook) for h in hooks), 'FSDPRunner keeps the stock hook'
+    model = gather_full_state(runner.model, None)[0]
+    out = dict(model={k: v.clone() for k, v in model.items()}, iter=runner.iter,
+               ema={h.ema_cfg['type']: h.averaged_state_dict(runner) for h in hooks},
+               steps=[int(h.ema_model.steps) for h in hooks],
+               ema_bytes=[ema_bytes_per_rank(runner.model) for _ in hooks])
+    if runner.message_hub.log_scalars.get('val/nll'):
+        out['val_nll'] = float(runner.message_hub.get_scalar('val/nll').current())
+    return out
+
+
+def _two_ranks(root: str) -> dict:
+    import mmfsdp  # noqa: F401
+    from mmfsdp import FSDPRunner
+    out = {}
+    for name, wrapper in WRAPPERS.items():
+        runner = FSDPRunner.from_cfg(_config(f'types-{name}', f'{root}/types-{name}',
+                                             hooks=list(EMA_HOOKS.values()), wrapper=wrapper))
+        runner.train()
+        out[f'types/{name}'] = _result(runner)
+    for name, kind in CHECKPOINT_RUNS:
+        run = f'{name}-{kind}'
+        runner = FSDPRunner.from_cfg(_config(run, f'{root}/{run}', hooks=[EMA],
+                                             wrapper=WRAPPERS[name], state_dict_type=kind))
+        runner.train()
+        out[run] = _result(runner)
+        runner = FSDPRunner.from_cfg(_config(
+            f'{run}-resumed', f'{root}/{run}-resumed', hooks=[EMA], wrapper=WRAPPERS[name],
+            state_dict_type=kind, resume_from=f'{root}/{run}/iter_{HALF}.pth'))
+        runner.train()
+        out[f'resumed/{run}'] = _result(runner)
+    out['rank'] = torch.distributed.get_rank()
+    return out
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp('ema'))
+
+
+@pytest.fixture(scope='module')
+def ranks(root) -> list:
+    return run_distributed(_two_ranks, WORLD_SIZE, root)
+
+
+@pytest.fixture(scope='module')
+def runs(ranks) -> dict:
+    return ranks[0]
+
+
+@pytest.fixture(scope='module')
+def reference(root) -> dict:
+    """mmengine's stock Runner and stock EMAHook, one process, global batch."""
+    out = {}
+    runner = Runner.from_cfg(_config('ref-types', f'{root}/ref-types',
+                                     hooks=list(EMA_HOOKS.values()), world_size=1,
+                                     launcher='none'))
+    runner.train()
+    out['types'] = {h.ema_cfg['type']: dict(h.ema_model.module.state_dict())
+                    for h in _ema_hooks(runner)}
+    runner = Runner.from_cfg(_config('ref-ckpt', f'{root}/ref-ckpt', hooks=[EMA], world_size=1,
+                                     state_dict_type='full', launcher='none'))
+    runner.train()
+    out['ema'] = dict(_ema_hooks(runner)[0].ema_model.module.state_dict())
+    out['model'] = dict(runner.model.state_dict())
+    out['val_nll'] = float(runner.message_hub.get_scalar('val/nll').current())
+    out['checkpoint'] = f'{root}/ref-ckpt/iter_{TOTAL}.pth'
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_every_ema_type_averages_like_one_process(runs, reference, wrapper):
+    got = runs[f'types/{wrapper}']
+    assert sorted(got['ema']) == sorted(EMA_HOOKS)
+    assert got['steps'] == [TOTAL] * len(EMA_HOOKS)
+    for ema_type, expected in reference['types'].items():
+        diff = _max_diff(got['ema'][ema_type], expected)
+        print(f'{wrapper} {ema_type}: max abs diff {diff:.1e}')
+        assert diff <= TOL, ema_type
+    # the three types really differ, so each was checked against its own maths
+    ema = got['ema']
+    assert _max_diff(ema['ExponentialMovingAverage'], ema['StochasticWeightAverage']) > 1e-3
+    assert _max_diff(ema['ExponentialMovingAverage'], ema['MomentumAnnealingEMA']) > 1e-3
+
+
+@pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
+def test_each_rank_holds_only_its_shards_of_the_average(ranks, wrapper):
+    from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
+    from mmfsdp.plan import plan_for
+    cls = {'fsdp1': MMFullyShardedDataParallel, 'fsdp2': MMFullyShard}[wrapper]
+    model = ToyClassifier()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    options = {k: v for k, v in WRAPPERS[wrapper].items() if k != 'type'}
+    planned = plan_for(cls, options, model, WORLD_SIZE, ema=True).ema_bytes_per_rank
+    measured = [r[f'types/{wrapper}']['ema_bytes'][0] for r in ranks]
+    print(f'{wrapper}: EMA bytes per rank {measured} (planned {planned}, full model {full_bytes})')
+    assert sum(measured) == full_bytes  # every element averaged once, on one rank
+    assert max(measured) <= planned <= 0.6 * full_bytes  # the plan's bound includes padding
+
+
+def test_plan_without_ema_reports_none():
+    from mmfsdp import MMFullyShard
+    from mmfsdp.plan import format_plan, plan_for
+    options = {k: v for k, v in FSDP2.items() if k != 'type'}
+    without = plan_for(MMFullyShard, options, ToyClassifier(), WORLD_SIZE)
+    with_ema = plan_for(MMFullyShard, options, ToyClassifier(), WORLD_SIZE, ema=True)
+    assert without.ema_bytes_per_rank == 0 and 'EMA' not in format_plan(without)
+    assert (with_ema.model_state_bytes_per_rank - without.model_state_bytes_per_rank
+            == with_ema.ema_bytes_per_rank > 0)
+    assert 'EMA (EMAHook) per rank' in format_plan(with_ema)
+
+
+@pytest.mark.parametrize('run', [f'{w}-{k}' for w, k in CHECKPOINT_RUNS])
+def test_training_and_validation_with_ema_equal_one_process(runs, reference, run):
+    got = runs[run]
+    diffs = (_max_diff(got['model'], reference['model']),
+             _max_diff(got['ema']['ExponentialMovingAverage'], reference['ema']))
+    print(f'{run}: max abs diff weights {diffs[0]:.1e}, averaged weights {diffs[1]:.1e}; '
+          f'val nll {got["val_nll"]:.6f} vs {reference["val_nll"]:.6f}')
+    assert max(diffs) <= TOL
+    assert got['val_nll'] == pytest.approx(reference['val_nll'], abs=TOL)
+    # the metric is the averaged model's: the trained weights give another one
+    assert _max_diff(got['model'], reference['ema']) > 1e-3
+
+
+@pytest.mark.parametrize('run', [f'{w}-{k}' for w, k in CHECKPOINT_RUNS])
+def test_resume_continues_the_average_exactly(runs, run):
+    got, expected = runs[f'resumed/{run}'], runs[run]
+    assert got['iter'] == expected['iter'] == TOTAL and got['steps'] == expected['steps']
+    ema_diff = _max_diff(got['ema']['ExponentialMovingAverage'],
+                         expected['ema']['ExponentialMovingAverage'])
+    model_diff = _max_diff(got['model'], expected['model'])
+    print(f'{run}: resumed vs uninterrupted max abs diff: averaged {ema_diff}, '
+          f'trained {model_diff}')
+    assert ema_diff == 0 and model_diff == 0
+    assert got['val_nll'] == expected['val_nll']
+
+
+@pytest.mark.parametrize('run', ['fsdp1-full', 'fsdp2-full'])
+def test_full_checkpoint_has_the_stock_hooks_format(runs, reference, root, run):
+    ours = torch.load(f'{root}/{run}/iter_{TOTAL}.pth')  # weights_only=True by default
+    stock = torch.load(reference['checkpoint'], weights_only=False)
+    assert sorted(ours['ema_state_dict']) == sorted(stock['ema_state_dict'])
+    assert sorted(ours['state_dict']) == sorted(stock['state_dict'])
+    assert int(ours['ema_state_dict']['steps']) == int(stock['ema_state_dict']['steps'])
+    # state_dict holds the averaged weights, ema_state_dict the trained ones
+    trained = {k[len('module.'):]: v for k, v in ours['ema_state_dict'].items() if k != 'steps'}
+    assert _max_diff(ours['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert _max_diff(trained, runs[run]['model']) == 0
+    assert _max_diff(ours['state_dict'], stock['state_dict']) <= TOL
+
+
+@pytest.mark.parametrize('run', ['fsdp1-full', 'fsdp2-full'])
+def test_plain_model_loads_either_weights_of_a_full_checkpoint(runs, root, run):
+    from mmengine.runner import load_checkpoint
+    path = f'{root}/{run}/iter_{TOTAL}.pth'
+    averaged = ToyClassifier()
+    load_checkpoint(averaged, path, strict=True)
+    assert _max_diff(averaged.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
+    trained = ToyClassifier()
+    ema_state = torch.load(path)['ema_state_dict']
+    trained.load_state_dict({k[len('module.'):]: v for k, v in ema_state.items()
+                             if k != 'steps'}, strict=True)
+    assert _max_diff(trained.state_dict(), runs[run]['model']) == 0
+
+
+@pytest.mark.parametrize('run', ['fsdp1-sharded', 'fsdp2-sharded', 'ddp-sharded'])
+def test_sharded_checkpoint_consolidates_to_the_full_format(runs, root, run, tmp_path):
+    from mmfsdp.consolidate import consolidate
+    dst = str(tmp_path / 'full.pth')
+    consolidate(f'{root}/{run}/iter_{TOTAL}.pth', dst)
+    full = torch.load(dst)  # weights_only=True
+    assert int(full['ema_state_dict']['steps']) == TOTAL
+    trained = {k[len('module.'):]: v for k, v in full['ema_state_dict'].items() if k != 'steps'}
+    assert _max_diff(full['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert _max_diff(trained, runs[run]['model']) == 0
+
+
+def test_sharded_checkpoint_from_2_ranks_resumes_the_average_in_one_process(runs, root):
+    from mmfsdp import FSDPRunner
+    run = 'fsdp2-sharded'
+    runner = FSDPRunner.from_cfg(_config(
+        'at1', f'{root}/at1', hooks=[EMA], wrapper=FSDP2, world_size=1, launcher='none',
+        state_dict_type='sharded', resume_from=f'{root}/{run}/iter_{HALF}.pth'))
+    runner.train()
+    got, expected = _result(runner), runs[run]
+    ema_diff = _max_diff(got['ema']['ExponentialMovingAverage'],
+                         expected['ema']['ExponentialMovingAverage'])
+    print(f'2 ranks -> 1 process: averaged weights max abs diff {ema_diff:.1e}')
+    assert got['steps'] == expected['steps'] and ema_diff <= TOL
+
+
+def test_plan_sees_the_stock_hook_in_a_config():
+    from mmfsdp.ema import configures_ema
+    assert configures_ema([dict(type='EMAHook', momentum=0.2)])
+    assert not configures_ema([dict(type='EmptyCacheHook')]) and not configures_ema(None)
