@@ -41,6 +41,8 @@ setup(
     package_data={'mmfsdp': MIM_FILES},
     python_requires='>=3.9',
     install_requires=requirements(),
-    extras_require={'tests': ['pytest', 'ruff'], 'benchmarks': ['matplotlib']},
+    # transformers: the third-party zoo of tests/test_hf_zoo.py (needs no torch extra)
+    extras_require={'tests': ['pytest', 'ruff', 'transformers==5.23.0'],
+                    'benchmarks': ['matplotlib']},
     license='Apache-2.0',
 )

@@ -359,7 +359,8 @@ class EMAHook(MMEngineEMAHook):
     def _restart_from_model(self, runner: Any) -> None:
         """The averaged tensors start again from the model's (loaded) weights at first use."""
         self._model = None
-        self.ema_model.steps.zero_()
+        if hasattr(self, 'ema_model'):  # before_run has built it (not so for a bare load)
+            self.ema_model.steps.zero_()
 
 
 def _has_ema_shards(path: str) -> bool:

@@ -262,6 +262,16 @@ def test_sharded_checkpoint_from_2_ranks_resumes_the_average_in_one_process(runs
     assert got['steps'] == expected['steps'] and ema_diff <= TOL
 
 
+def test_load_from_a_sharded_checkpoint_loads_the_averaged_weights(runs, root):
+    from mmfsdp import FSDPRunner
+    run = 'fsdp1-sharded'
+    runner = FSDPRunner.from_cfg(_config('load1', f'{root}/load1', hooks=[EMA], wrapper=FSDP1,
+                                         world_size=1, launcher='none'))
+    runner.load_checkpoint(f'{root}/{run}/iter_{TOTAL}.pth')
+    # as with a full file, whose state_dict holds the averaged weights
+    assert _max_diff(runner.model.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
+
+
 def test_plan_sees_the_stock_hook_in_a_config():
     from mmfsdp.ema import configures_ema
     assert configures_ema([dict(type='EMAHook', momentum=0.2)])
