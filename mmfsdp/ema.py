@@ -277,11 +277,12 @@ class EMAHook(MMEngineEMAHook):
                                  shards: Optional[Dict[str, Any]] = None) -> None:
         """Add the averaged model to a checkpoint being saved (every rank; collective).
 
-        Called by :class:`mmfsdp.checkpoint.CheckpointMixin` after the model's
-        state was taken: for a full file, ``checkpoint['state_dict']``
-        (gathered) is swapped with the averaged weights on rank 0, as the
-        stock hook does; for a sharded directory, the averaged shards and
-        ``steps`` are added as ``shards['ema']``.
+        Called by :class:`mmfsdp.checkpoint.CheckpointMixin` on every rank
+        before rank 0's ``before_save_checkpoint``: for a full file,
+        ``checkpoint['state_dict']`` (gathered) is swapped with the averaged
+        weights on rank 0, as the stock hook does; for a sharded directory,
+        the averaged shards and ``steps`` go into ``shards['ema']``, saved
+        beside the model's.
         """
         averaged = self.averaged_state_dict(runner, full=shards is None)
         steps = self.ema_model.steps.detach().clone().cpu()
