@@ -191,7 +191,11 @@ class EMAHook(MMEngineEMAHook):
         """Make the averaged tensors from the wrapped model's local pieces, once it exists."""
         if self._model is runner.model:
             return
+        wraps_ours = self._model is not None and any(
+            m is self._model for m in runner.model.modules())
         self._model = runner.model
+        if wraps_ours:  # wrapped once more (PrepareTTAHook): the same parameters, kept
+            return
         device = self.ema_cfg.get('device')  # as the stock hook: the model's device by default
         sources = _source_tensors(runner.model, self.ema_model.update_buffers)
         self._averaged = {k: t.detach().clone() if device is None else t.detach().to(device,

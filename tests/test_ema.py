@@ -7,7 +7,9 @@ mmengine's stock Runner (and stock hook) training the same global batch here:
 - ``types/<wrapper>``: one hook of each ``ema_type`` mmengine ships, side by side;
 - ``<wrapper>-<kind>``: one hook, validation at the end (averaged weights
   swapped in), full or sharded checkpoints at iterations 3 and 6;
-- ``resumed/<wrapper>-<kind>``: the same run resumed from iteration 3.
+- ``resumed/<wrapper>-<kind>``: the same run resumed from iteration 3;
+- ``stock/<wrapper>``: with other stock hooks mmfsdp leaves to mmengine, and
+  mmengine's own ``activation_checkpointing`` config key.
 """
 import copy
 
@@ -34,13 +36,17 @@ EMA_HOOKS = {
     'StochasticWeightAverage': dict(type='EMAHook', ema_type='StochasticWeightAverage'),
 }
 EMA = EMA_HOOKS['ExponentialMovingAverage']
+#: Stock hooks and config keys that mmfsdp leaves to mmengine, run beside EMAHook.
+STOCK_HOOKS = [dict(type='SyncBuffersHook'), dict(type='EmptyCacheHook', after_iter=True),
+               dict(type='EarlyStoppingHook', monitor='nll', rule='less', patience=2)]
+STOCK_CONFIG = dict(activation_checkpointing=['blocks.0', 'blocks.2'])
 CHECKPOINT_RUNS = [('fsdp1', 'full'), ('fsdp1', 'sharded'), ('fsdp2', 'full'),
                    ('fsdp2', 'sharded'), ('ddp', 'sharded')]
 PER_RANK_BATCH, WORLD_SIZE, HALF, TOTAL = 4, 2, 3, 6
 
 
 def _config(name: str, work_dir: str, *, hooks: list, wrapper=None, world_size=WORLD_SIZE,
-            state_dict_type=None, resume_from=None, launcher='pytorch') -> Config:
+            state_dict_type=None, resume_from=None, launcher='pytorch', **extra) -> Config:
     cfg = runner_config(name, work_dir, wrapper=wrapper, launcher=launcher,
                         batch_size=PER_RANK_BATCH * WORLD_SIZE // world_size, max_iters=TOTAL,
                         val=state_dict_type is not None)
@@ -53,6 +59,7 @@ def _config(name: str, work_dir: str, *, hooks: list, wrapper=None, world_size=W
             cfg['default_hooks']['checkpoint']['state_dict_type'] = state_dict_type
     if resume_from is not None:
         cfg.update(load_from=resume_from, resume=True)
+    cfg.update(copy.deepcopy(extra))
     return Config(cfg)
 
 
@@ -85,6 +92,12 @@ def _two_ranks(root: str) -> dict:
                                              hooks=list(EMA_HOOKS.values()), wrapper=wrapper))
         runner.train()
         out[f'types/{name}'] = _result(runner)
+    for name in ('fsdp1', 'fsdp2'):
+        runner = FSDPRunner.from_cfg(_config(
+            f'stock-{name}', f'{root}/stock-{name}', hooks=[EMA] + STOCK_HOOKS,
+            wrapper=WRAPPERS[name], state_dict_type='full', **STOCK_CONFIG))
+        runner.train()
+        out[f'stock/{name}'] = _result(runner)
     for name, kind in CHECKPOINT_RUNS:
         run = f'{name}-{kind}'
         runner = FSDPRunner.from_cfg(_config(run, f'{root}/{run}', hooks=[EMA],
@@ -132,6 +145,13 @@ def reference(root) -> dict:
     out['model'] = dict(runner.model.state_dict())
     out['val_nll'] = float(runner.message_hub.get_scalar('val/nll').current())
     out['checkpoint'] = f'{root}/ref-ckpt/iter_{TOTAL}.pth'
+    runner = Runner.from_cfg(_config('ref-stock', f'{root}/ref-stock', hooks=[EMA] + STOCK_HOOKS,
+                                     world_size=1, state_dict_type='full', launcher='none',
+                                     **STOCK_CONFIG))
+    runner.train()
+    out['stock'] = dict(model=dict(runner.model.state_dict()),
+                        ema=dict(_ema_hooks(runner)[0].ema_model.module.state_dict()),
+                        val_nll=float(runner.message_hub.get_scalar('val/nll').current()))
     return out
 
 
@@ -270,6 +290,18 @@ def test_load_from_a_sharded_checkpoint_loads_the_averaged_weights(runs, root):
     runner.load_checkpoint(f'{root}/{run}/iter_{TOTAL}.pth')
     # as with a full file, whose state_dict holds the averaged weights
     assert _max_diff(runner.model.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
+
+
+@pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
+def test_stock_hooks_and_mmengine_activation_checkpointing_train_like_one_process(
+        runs, reference, wrapper):
+    got, expected = runs[f'stock/{wrapper}'], reference['stock']
+    diffs = (_max_diff(got['model'], expected['model']),
+             _max_diff(got['ema']['ExponentialMovingAverage'], expected['ema']))
+    print(f'{wrapper} with {[h["type"] for h in STOCK_HOOKS]} and {STOCK_CONFIG}: max abs diff '
+          f'weights {diffs[0]:.1e}, averaged {diffs[1]:.1e}')
+    assert max(diffs) <= TOL and got['iter'] == TOTAL
+    assert got['val_nll'] == pytest.approx(expected['val_nll'], abs=TOL)
 
 
 def test_plan_sees_the_stock_hook_in_a_config():
