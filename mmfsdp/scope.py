@@ -32,7 +32,7 @@ def without_collate_scope(dataloader: Any) -> Any:
         with FUNCTIONS.switch_scope_and_registry(scope) as registry:
             function = registry.get(collate['type'])
         if function is None:
-            raise KeyError(f"collate_fn.type: {collate['type']!r} is not a registered function "
-                           f'in the {scope!r} scope')
+            raise KeyError(f"the dataloader's collate_fn.type: {collate['type']!r} is not a "
+                           f'registered function in the {scope!r} scope')
         collate['type'] = function
     return dict(dataloader, collate_fn=collate)

@@ -111,8 +111,8 @@ class CheckpointMixin:
         kind = resolve_state_dict_type(state_dict_type)
         wait_s = resolve_save_timeout(save_timeout)
         if file_client_args is not None or backend_args is not None:
-            raise ValueError('FSDPRunner writes checkpoints to local paths only; remove '
-                             'file_client_args / backend_args from the CheckpointHook config')
+            raise ValueError('default_hooks.checkpoint: FSDPRunner writes checkpoints to local '
+                             'paths only; remove file_client_args / backend_args')
         path = osp.join(out_dir, filename)
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         checkpoint: Dict[str, Any] = dict(meta=self._checkpoint_meta(meta, by_epoch),

@@ -202,8 +202,8 @@ def build_on_meta(build: Callable[[Any], nn.Module],
     to the training device with the model.
     """
     if isinstance(model, nn.Module):
-        raise TypeError("init_device='meta' needs the model as a config dict; a model passed "
-                        'as an nn.Module is already built')
+        raise TypeError("model_wrapper_cfg.init_device: 'meta' needs the model as a config "
+                        'dict; a model passed as an nn.Module is already built')
     model = dict(model)
     preprocessor = model.get('data_preprocessor')
     if isinstance(preprocessor, Mapping):

@@ -226,8 +226,8 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
         check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
         on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if on_meta and cfg.init_device != 'meta':
-            raise ValueError("the model is on the meta device; set init_device='meta' in the "
-                             'wrapper config to materialise it after sharding')
+            raise ValueError('model_wrapper_cfg.init_device: the model is on the meta device; '
+                             "set init_device='meta' to materialise it after sharding")
         if on_meta:
             check_init_cfgs(module)
         # A model with its own steps calls its children directly: each is its own root.
