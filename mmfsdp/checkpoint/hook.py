@@ -8,13 +8,15 @@ crash at that point left behind are removed at the next save. Every option of
 the stock hook keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
 for ``CheckpointHook``.
 """
+import logging
 import os
 import re
 import shutil
-from typing import Optional, Pattern
+from typing import Optional, Pattern, Tuple
 
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
+from mmengine.logging import MMLogger
 
 from ..registry import HOOKS
 from ..together import fail_together
@@ -26,6 +28,26 @@ __all__ = ['CheckpointHook']
 @HOOKS.register_module()
 class CheckpointHook(MMEngineCheckpointHook):
     """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete."""
+
+    def before_train(self, runner) -> None:
+        """The stock set-up, without two notices about mmengine's own code.
+
+        mmengine's hook builds a ``FileClient`` for backward compatibility even
+        when ``file_client_args`` is unset, and does not use it then; building it
+        logs that ``FileClient`` and ``HardDiskBackend`` are deprecated on every
+        run. Those two log records are dropped here; all others pass.
+        """
+        if self.file_client_args is not None:
+            super().before_train(runner)
+            return
+        notices = _DropRecords(('"FileClient" will be deprecated',
+                                '"HardDiskBackend" is the alias of "LocalBackend"'))
+        logger = MMLogger.get_current_instance()
+        logger.addFilter(notices)
+        try:
+            super().before_train(runner)
+        finally:
+            logger.removeFilter(notices)
 
     def _save_checkpoint_with_step(self, runner, step, meta) -> None:
         expired = None
@@ -78,6 +100,17 @@ class CheckpointHook(MMEngineCheckpointHook):
                 runner.logger.info(f'Removing {name}: older than the {self.max_keep_ckpts} '
                                    'checkpoints kept (max_keep_ckpts), left by an earlier run')
                 _remove(os.path.join(self.out_dir, name))
+
+
+class _DropRecords(logging.Filter):
+    """Drops the log records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: Tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
 
 
 def _step_pattern(filename_tmpl: str) -> Optional[Pattern]:
