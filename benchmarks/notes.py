@@ -196,6 +196,7 @@ def method(res: Any) -> List[str]:
         'forward and backward, which saves its backward all-gather.',
         '- **Wrapper overhead**: see section 4. The goal is a property of the median; single '
         'rounds on a shared 2-core machine vary by several percent in both directions.',
-        '- **Not measured**: accelerators (NCCL), mixed precision, activation checkpointing, '
-        'multi-node (HYBRID_SHARD), and models larger than what 24 GiB holds at N = 4.',
+        '- **Not measured** on CPU: accelerators (NCCL) and mixed precision (one GPU: '
+        'section 8), activation checkpointing, multi-node (HYBRID_SHARD), and models larger '
+        'than what 24 GiB holds at N = 4.',
         '']

@@ -3,7 +3,8 @@
 Importing the package registers everything: the wrappers, ``FSDPRunner``,
 the wrap policies and the demo workload, each under the scope ``'mmfsdp'``.
 """
-from . import demo, policies  # noqa: F401  (registration)
+# compat first: it checks torch's version before anything touches the newer APIs.
+from . import compat, demo, policies  # noqa: F401  (version check, registration)
 from .amp import AmpOptimWrapper
 from .registry import FSDP_WRAP_POLICIES
 from .runner import FSDPRunner

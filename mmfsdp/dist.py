@@ -3,32 +3,66 @@
 mmengine's ``init_dist`` calls ``torch.cuda.set_device`` unconditionally and
 defaults to NCCL, so a CPU-only machine cannot start a distributed run. Here
 the device and the backend come from the environment: the accelerator torch
-reports (CUDA, XPU, ...) picked by ``LOCAL_RANK``, else the CPU; the backend is
+can use (CUDA, XPU, ...) picked by ``LOCAL_RANK``, else the CPU; the backend is
 torch's default for that device (NCCL on CUDA, gloo on CPU) unless the config
-names one.
+names one. When the parameters are offloaded to the CPU on an accelerator,
+the group gets a CPU backend as well (``'cpu:gloo,cuda:nccl'``): offloaded
+gradients are CPU tensors, and clipping and loss scaling reduce over them.
+
+The selection is made of pure functions (:func:`select_device`,
+:func:`select_backend`) of what the environment reports, so that it can be
+checked on any machine.
 """
 import datetime
 import os
+import re
 import subprocess
-from typing import Any, Mapping, Optional
+import warnings
+from typing import Any, Mapping, MutableMapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from .startup import check_backend
 
-__all__ = ['current_device', 'default_backend', 'init_distributed']
+__all__ = ['current_device', 'default_backend', 'export_launcher_env', 'init_distributed',
+           'local_world_size', 'select_backend', 'select_device', 'set_current_device']
 
 LAUNCHERS = ('pytorch', 'slurm', 'mpi')
 
 
+def select_device(accelerator: Optional[str], device_count: int, local_rank: int) -> torch.device:
+    """The training device: accelerator ``local_rank % device_count``, or the CPU.
+
+    ``accelerator`` is the type of an accelerator that is usable now (``None``
+    when there is none); ``device_count`` how many are visible. A build of
+    torch for an accelerator on a machine without one reports 0 devices.
+    """
+    if accelerator is None or accelerator == 'cpu' or device_count < 1:
+        return torch.device('cpu')
+    return torch.device(accelerator, local_rank % device_count)
+
+
 def current_device() -> torch.device:
     """The device this process trains on: its accelerator by ``LOCAL_RANK``, or the CPU."""
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device('cpu')
-    count = torch.accelerator.device_count()
-    return torch.device(accelerator.type, int(os.environ.get('LOCAL_RANK', 0)) % count)
+    # check_available: without it torch reports the accelerator it was built
+    # for, also when none is visible (CUDA_VISIBLE_DEVICES=-1, CPU-only nodes).
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return select_device(accelerator.type if accelerator is not None else None,
+                         torch.accelerator.device_count() if accelerator is not None else 0,
+                         int(os.environ.get('LOCAL_RANK', 0)))
+
+
+def set_current_device() -> torch.device:
+    """Make this process's accelerator the current one (no-op on the CPU); return the device.
+
+    Collectives that pick "the current device" (NCCL barriers, mmengine's
+    broadcasts) would otherwise all run on device 0.
+    """
+    device = current_device()
+    if device.type != 'cpu':
+        torch.accelerator.set_device_index(device.index)
+    return device
 
 
 def default_backend(device: torch.device) -> str:
@@ -36,35 +70,87 @@ def default_backend(device: torch.device) -> str:
     return dist.Backend.default_device_backend_map.get(device.type, 'gloo')
 
 
-def _export_launcher_env(launcher: str) -> None:
-    """Translate the variables of ``slurm`` / ``mpi`` into torchrun's."""
+def select_backend(device: torch.device, offload: bool, configured: Optional[str] = None) -> str:
+    """The process group's backend for training on ``device``.
+
+    ``configured`` (``env_cfg.dist_cfg.backend``) wins when given. Otherwise
+    the device's default backend, plus gloo for CPU tensors when ``offload``
+    (parameters and gradients offloaded to the CPU) on an accelerator.
+    """
+    if configured:
+        return configured
+    backend = default_backend(device)
+    if offload and device.type != 'cpu' and backend != 'gloo':
+        return f'cpu:gloo,{device.type}:{backend}'
+    return backend
+
+
+def local_world_size() -> Optional[int]:
+    """``LOCAL_WORLD_SIZE``: how many processes run on this node (``None`` when unset).
+
+    torchrun sets it; :func:`init_distributed` exports it for Slurm and MPI.
+    """
+    value = os.environ.get('LOCAL_WORLD_SIZE')
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f'LOCAL_WORLD_SIZE: expected a positive integer, got {value!r}')
+    return int(value)
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """How many tasks node ``node_id`` runs, from ``SLURM_TASKS_PER_NODE``.
+
+    The variable lists counts per node, compressed: ``'4(x2),3'`` is 4, 4, 3.
+    """
+    counts = []
+    for part in tasks_per_node.split(','):
+        match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
+        if match is None:
+            raise ValueError(f'SLURM_TASKS_PER_NODE: cannot read {tasks_per_node!r}')
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node_id]
+
+
+def export_launcher_env(launcher: str, env: MutableMapping[str, str]) -> None:
+    """Translate the variables of ``slurm`` / ``mpi`` into torchrun's, in ``env``.
+
+    Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` where they are not set already.
+    """
     if launcher == 'slurm':
-        env = os.environ
         env.setdefault('RANK', env['SLURM_PROCID'])
         env.setdefault('WORLD_SIZE', env['SLURM_NTASKS'])
         env.setdefault('LOCAL_RANK', env['SLURM_LOCALID'])
+        if 'LOCAL_WORLD_SIZE' not in env:
+            env['LOCAL_WORLD_SIZE'] = str(_slurm_tasks_on_node(
+                env['SLURM_TASKS_PER_NODE'], int(env.get('SLURM_NODEID', 0))))
         env.setdefault('MASTER_PORT', '29500')
         if 'MASTER_ADDR' not in env:
             hosts = subprocess.check_output(
                 ['scontrol', 'show', 'hostnames', env['SLURM_NODELIST']], text=True)
             env['MASTER_ADDR'] = hosts.split()[0]
     elif launcher == 'mpi':
-        env = os.environ
         env.setdefault('RANK', env['OMPI_COMM_WORLD_RANK'])
         env.setdefault('WORLD_SIZE', env['OMPI_COMM_WORLD_SIZE'])
         env.setdefault('LOCAL_RANK', env['OMPI_COMM_WORLD_LOCAL_RANK'])
+        env.setdefault('LOCAL_WORLD_SIZE', env['OMPI_COMM_WORLD_LOCAL_SIZE'])
         env.setdefault('MASTER_ADDR', '127.0.0.1')
         env.setdefault('MASTER_PORT', '29500')
 
 
-def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None) -> None:
+def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None,
+                     offload: bool = False) -> None:
     """Start the default process group for ``launcher``.
 
     Args:
         launcher: ``'pytorch'`` (torchrun's variables), ``'slurm'`` (srun's)
             or ``'mpi'`` (Open MPI's).
-        dist_cfg: ``env_cfg.dist_cfg``: ``backend`` (default: the device's),
-            ``timeout`` in seconds, and other ``init_process_group`` keywords.
+        dist_cfg: ``env_cfg.dist_cfg``: ``backend`` (default: see
+            :func:`select_backend`), ``timeout`` in seconds, ``port`` (the
+            master port under slurm / mpi, as in mmengine), and other
+            ``init_process_group`` keywords.
+        offload: Whether the model's parameters are offloaded to the CPU.
 
     Example::
 
@@ -81,11 +167,16 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f'env_cfg.dist_cfg.timeout: expected seconds, got {timeout!r}')
         kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-    _export_launcher_env(launcher)
-    device = current_device()
-    if device.type != 'cpu':
-        torch.accelerator.set_device_index(device.index)
-    kwargs['backend'] = kwargs.get('backend') or default_backend(device)
+    port = kwargs.pop('port', None)
+    if port is not None:
+        if launcher == 'pytorch':
+            warnings.warn('env_cfg.dist_cfg.port is ignored with --launcher pytorch: torchrun '
+                          'sets the port (--master-port)', stacklevel=2)
+        else:
+            os.environ['MASTER_PORT'] = str(port)  # as mmengine: the config wins
+    export_launcher_env(launcher, os.environ)
+    device = set_current_device()
+    kwargs['backend'] = select_backend(device, offload, kwargs.get('backend'))
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     store = _restart_safe_store(world_size, kwargs.get('timeout'))
     if store is not None:

@@ -18,7 +18,7 @@ from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
-from .dist import current_device, init_distributed
+from .dist import current_device, init_distributed, set_current_device
 from .ema import configures_ema
 from .meta_init import (
     WriteTracker,
@@ -37,7 +37,7 @@ from .scope import without_collate_scope
 from .startup import check_launcher
 from .together import fail_together
 from .wrappers import MMDistributedDataParallel
-from .wrappers.builder import check_wrapper_config, resolve_wrapper_type
+from .wrappers.builder import check_wrapper_config, offloads_to_cpu, resolve_wrapper_type
 from .wrappers.steps import own_steps
 
 __all__ = ['FSDPRunner']
@@ -133,8 +133,11 @@ class FSDPRunner(CheckpointMixin, Runner):
         self._meta_check_after_load = False
         self._staged = False
         if self.distributed and not is_distributed():
-            init_distributed(self.launcher, env_cfg.get('dist_cfg'))
+            init_distributed(self.launcher, env_cfg.get('dist_cfg'),
+                             offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
             atexit.register(_destroy_process_group)
+        elif self.distributed:
+            set_current_device()  # a group started by the caller: still train on LOCAL_RANK's
         super().setup_env(env_cfg)
 
     def _model_wrapper_config(self) -> Dict[str, Any]:

@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..dist import current_device
 from ..names import unwrapped_param_names
 from ..options import resolve_enum
 
-__all__ = ['StateDictType', 'gather_full_state', 'named_optim_wrappers', 'load_full_model_state',
-           'load_full_optimizer_state', 'optimizer_extras', 'resolve_state_dict_type',
-           'sharded_state']
+__all__ = ['StateDictType', 'full_state_on_rank0', 'gather_full_state', 'named_optim_wrappers',
+           'load_full_model_state', 'load_full_optimizer_state', 'optimizer_extras',
+           'resolve_state_dict_type', 'sharded_state']
 
 AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
 
@@ -54,12 +55,21 @@ def resolve_state_dict_type(value: Union[str, StateDictType]) -> StateDictType:
                         {m.value: m for m in StateDictType})
 
 
+def full_state_on_rank0(device: torch.device) -> bool:
+    """Whether full state dicts gather to rank 0's CPU when training on ``device``.
+
+    On an accelerator, yes: one full copy, in host memory, instead of one per
+    rank on each accelerator. The training device decides, not where the
+    parameters are: offloaded parameters live on the CPU while the gathering
+    runs on the accelerator. On the CPU, no: FSDP1's offload path crashes on
+    CPU tensors (torch 2.13).
+    """
+    return device.type != 'cpu'
+
+
 def _options(model: nn.Module, full: bool, strict: bool = True) -> StateDictOptions:
-    # Offloading keeps one full copy, on rank 0's CPU, when gathering from an
-    # accelerator; FSDP1's offload path crashes on CPU tensors (torch 2.13).
-    params = list(model.parameters())
-    on_cpu = not params or params[0].device.type == 'cpu'
-    return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu,
+    return StateDictOptions(full_state_dict=full,
+                            cpu_offload=full and full_state_on_rank0(current_device()),
                             strict=strict)
 
 

@@ -20,7 +20,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ..options import check_keys, suggest, wrapper_options
 from ..registry import MODEL_WRAPPERS
 
-__all__ = ['check_wrapper_config', 'registered_wrapper_names', 'resolve_wrapper_type']
+__all__ = ['check_wrapper_config', 'offloads_to_cpu', 'registered_wrapper_names',
+           'resolve_wrapper_type']
 
 #: What to write instead of a wrapper of mmengine that FSDPRunner cannot drive.
 _INSTEAD = ("type='mmfsdp.MMFullyShardedDataParallel' (FSDP1) or type='mmfsdp.MMFullyShard' "
@@ -81,3 +82,12 @@ def check_wrapper_config(cls: type, cfg: Mapping[str, Any],
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         check_keys(options, [n for n in params if n not in ('self', 'module')],
                    'model_wrapper_cfg')
+
+
+def offloads_to_cpu(cls: type, cfg: Mapping[str, Any]) -> bool:
+    """Whether the wrapper ``cls`` with ``cfg`` keeps parameters on the CPU while training.
+
+    Wrappers tell through an ``offloads_to_cpu(options)`` classmethod; others never offload.
+    """
+    check = getattr(cls, 'offloads_to_cpu', None)
+    return bool(check({k: v for k, v in cfg.items() if k != 'type'})) if check else False

@@ -1,6 +1,5 @@
 """``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
 import functools
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
@@ -18,7 +17,7 @@ from ..activation_checkpointing import (
     apply_activation_checkpointing_to,
     resolve_activation_checkpointing,
 )
-from ..dist import current_device
+from ..dist import current_device, local_world_size
 from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
 from ..options import (
     check_keys,
@@ -33,6 +32,7 @@ from ..plan.spec import Construction, Padding, ShardingSpec
 from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from .guard import reject_stock_runner
+from .mesh import build_hybrid_mesh, node_mesh_sizes
 from .separate import MMSeparateFullyShardedDataParallel, separate_roots
 from .steps import DataParallelSteps, own_steps
 
@@ -112,6 +112,10 @@ _RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
 )
 
 
+def _is_hybrid(strategy: ShardingStrategy) -> bool:
+    return strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
 @MODEL_WRAPPERS.register_module()
 class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
@@ -176,6 +180,10 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             # tensors, so shape-dependent initialisers need them unsharded.
             materialize(module, torch.device('cpu'),
                         broadcast='all' if device.type == 'cpu' else None)
+        # A 2-D mesh, not FSDP1's own intra-node groups: with it the sharded state
+        # dicts are DTensors over the whole world, so a DCP save covers every rank
+        # (without it they cover one node's group only, torch #102904).
+        mesh = build_hybrid_mesh(device) if _is_hybrid(cfg.sharding_strategy) else None
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
@@ -184,6 +192,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
             mixed_precision=cfg.mixed_precision,
             cpu_offload=cfg.cpu_offload,
             device_id=device,
+            device_mesh=mesh,
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers,
             # FSDP1 broadcasts only tensors on an accelerator; on the CPU materialize() did
@@ -206,6 +215,11 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
                 separate_roots(module, 'mmfsdp.MMFullyShardedDataParallel')
 
     @classmethod
+    def offloads_to_cpu(cls, config: Mapping[str, Any]) -> bool:
+        """Whether ``config`` keeps the parameters on the CPU (``cpu_offload``)."""
+        return FSDPConfig.from_dict(config).cpu_offload.offload_params
+
+    @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
                       world_size: int) -> ShardingSpec:
         """How this config shards ``module`` over ``world_size`` ranks (see :mod:`mmfsdp.plan`).
@@ -216,12 +230,11 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         cfg = FSDPConfig.from_dict(config)
         policy, _ = cfg.for_model(module)
         strategy = cfg.sharding_strategy
-        hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
         shard = world_size
         if strategy is ShardingStrategy.NO_SHARD:
             shard = 1
-        elif hybrid:
-            shard = min(world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size)))
+        elif _is_hybrid(strategy):
+            shard = node_mesh_sizes(world_size, local_world_size())[1]
         sharded = shard > 1
         return ShardingSpec(
             wrapper='mmfsdp.MMFullyShardedDataParallel', strategy=strategy.name,

@@ -1,7 +1,6 @@
 """``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models."""
 import contextlib
 import functools
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
 
@@ -20,7 +19,7 @@ from ..activation_checkpointing import (
     resolve_activation_checkpointing,
 )
 from ..clip import clip_grads_by_global_norm
-from ..dist import current_device
+from ..dist import current_device, local_world_size
 from ..meta_init import check_init_cfgs, materialize
 from ..options import (
     NODE,
@@ -259,6 +258,11 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
                 separate_roots(module, 'mmfsdp.MMFullyShard')
 
     @classmethod
+    def offloads_to_cpu(cls, config: Mapping[str, Any]) -> bool:
+        """Whether ``config`` keeps the parameters on the CPU (``offload``)."""
+        return isinstance(FullyShardConfig.from_dict(config).offload, CPUOffloadPolicy)
+
+    @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
                       world_size: int) -> ShardingSpec:
         """How this config shards ``module`` over ``world_size`` ranks (see :mod:`mmfsdp.plan`).
@@ -267,7 +271,7 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
         """
         cfg = FullyShardConfig.from_dict(config)
         policy, _ = cfg.for_model(module)
-        local = int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+        local = local_world_size() or world_size
         replicate, shard = cfg.mesh.sizes(world_size, min(local, world_size)
                                           if cfg.mesh.shard == NODE else None)
         reshard = cfg.reshard_after_forward

@@ -1,0 +1,42 @@
+"""The torch versions mmfsdp runs on, checked when the package is imported.
+
+The floor is set by the newest torch API in use: FSDP2's
+``fully_shard(reshard_after_forward=None)`` on the root (torch 2.8), DCP's
+``_fqn_modifiers`` hook that maps :class:`mmfsdp.MMFullyShard`'s names (2.7)
+and ``torch.accelerator.current_accelerator(check_available=True)`` (2.7).
+Failing at import with the version needed beats a ``TypeError`` deep inside
+the first training step.
+"""
+import re
+from typing import Tuple
+
+__all__ = ['MIN_TORCH', 'check_torch_version', 'parse_version']
+
+#: The oldest torch release mmfsdp supports (also in requirements.txt and the README).
+MIN_TORCH: Tuple[int, int] = (2, 8)
+
+
+def parse_version(version: str) -> Tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``'2.11.0+cu130'`` -> ``(2, 11)``)."""
+    match = re.match(r'\s*(\d+)\.(\d+)', version)
+    if match is None:
+        raise ValueError(f'cannot read a torch version from {version!r}')
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch_version(version: str) -> None:
+    """Raise ``ImportError`` naming the version needed when ``version`` is older than supported."""
+    if parse_version(version) < MIN_TORCH:
+        needed = '.'.join(map(str, MIN_TORCH))
+        raise ImportError(
+            f'mmfsdp needs torch >= {needed}, found torch {version}: FSDP2 shards the root with '
+            f'fully_shard(reshard_after_forward=None) (torch {needed}) and its checkpoints use '
+            f"DCP's _fqn_modifiers hook (torch 2.7); install torch>={needed}")
+
+
+def _check_installed_torch() -> None:
+    import torch
+    check_torch_version(torch.__version__)
+
+
+_check_installed_torch()
