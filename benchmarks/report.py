@@ -471,7 +471,7 @@ def _construction_lines(res: Results) -> List[str]:
                       _mib(g0['largest_unit_bytes']), _mib(g0['goal_bytes']),
                       _mib(g0['full_model_bytes']), _mib(g0['model_state_bytes']),
                       _mark(ok) if goal else ('within' if ok else 'above') +
-                      ' (no goal on CPU)'])
+                      (' (no goal)' if wrapper == 'fsdp2' else ' (CPU: the host is the device)')])
     lines += _table(['wrapper', 'init', 'N', 'peak MiB per rank', 'param shard MiB',
                      'largest unit MiB',
                      'shard + 2 × unit MiB', 'full model 4P MiB', 'model state 16P/N MiB',

@@ -1,5 +1,6 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import atexit
+import contextlib
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch.distributed as dist
@@ -246,7 +247,7 @@ class FSDPRunner(CheckpointMixin, Runner):
         """
         self._wrap()
         tracker = WriteTracker()
-        with tracker:
+        with tracker if self._meta_check_after_load else contextlib.nullcontext():
             super().load_or_resume()
         if self._meta_check_after_load:  # the same on every rank: a collective follows
             self._meta_check_after_load = False

@@ -65,6 +65,12 @@ def recorded(module: nn.Module) -> Mapping[str, Recorded]:
     return _RECORDS.get(module, {})
 
 
+def forget(model: nn.Module) -> None:
+    """Drop the records of ``model``'s modules (once restored, they only hold memory)."""
+    for module in model.modules():
+        _RECORDS.pop(module, None)
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr() if tensor.device.type != 'meta' else 0
 

@@ -37,7 +37,7 @@ from mmengine.model import BaseDataPreprocessor
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .build import recorded
+from .build import forget, recorded
 from .pretrained import check_init_cfgs, local_part, sharded_pretrained
 from .written import (
     Unwritten,
@@ -169,6 +169,7 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
     tracker = WriteTracker()
     with _shard_seeded_rng(mesh, device), sharded_pretrained(), tracker:
         _restore_recorded(model, set(owners))
+        forget(model)
         _reset_in_constructor_order(model, targets)
         init_weights = getattr(model, 'init_weights', None)
         if callable(init_weights):
