@@ -357,3 +357,26 @@ def test_plan_cli_builds_constructors_that_compute(tmp_path, capsys):
     main([str(cfg), '--world-size', '2'])
     out = capsys.readouterr().out
     assert 'construction peak' in out
+
+
+def test_plan_construction_peak_follows_the_configured_path():
+    from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
+    from mmfsdp.meta_init import empty_weights
+    from mmfsdp.plan import Construction, plan_for
+    with empty_weights(record=False):
+        model = MetaZoo(depth=4)
+    policy = dict(type='transformer', layer_cls=['ZooBlock'])
+    cases = {Construction.SHARDS: (MMFullyShard, dict(auto_wrap_policy=policy,
+                                                       init_device='meta')),
+             Construction.FULL: (MMFullyShard, dict(auto_wrap_policy=policy)),
+             Construction.UNIT_BY_UNIT: (MMFullyShardedDataParallel,
+                                         dict(auto_wrap_policy=policy, init_device='meta'))}
+    full = 4 * sum(p.numel() for p in model.parameters())
+    for construction, (wrapper, cfg) in cases.items():
+        plan = plan_for(wrapper, cfg, model, 2)
+        assert plan.spec.construction is construction
+        shards = sum(u.param_bytes for u in plan.units)
+        expected = {Construction.SHARDS: shards, Construction.FULL: full,
+                    Construction.UNIT_BY_UNIT: shards + 2 * 4 * max(u.numel for u in plan.units)}
+        assert plan.construction_bytes_per_rank == expected[construction]
+        assert shards < plan.construction_bytes_per_rank or construction is Construction.SHARDS
