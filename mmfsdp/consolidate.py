@@ -45,8 +45,11 @@ def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any
     if EMA_SHARDS_KEY in shards:  # EMAHook's convention, see mmfsdp.ema
         ema = shards[EMA_SHARDS_KEY]
         checkpoint.update(full_ema_entries(shards['model'], ema['state_dict'], ema['steps']))
-    if 'optimizer' in shards:
-        optimizer = shards['optimizer']
+    if param_groups is not None:
+        # No optimizer shards: the optimizer had no state (e.g. SGD without momentum).
+        saved = shards.get('optimizer', {})
+        optimizer = (saved or dict(state={}) if isinstance(param_groups, list)
+                     else {name: saved.get(name, dict(state={})) for name in param_groups})
         if 'state' in optimizer:
             checkpoint['optimizer'] = dict(extras or {}, param_groups=param_groups, **optimizer)
         else:

@@ -38,12 +38,13 @@ class ToyBlock(nn.Module):
 @MODELS.register_module()
 class ToyClassifier(BaseModel):
 
-    def __init__(self, dim: int = 16, depth: int = 3, data_preprocessor=None) -> None:
+    def __init__(self, dim: int = 16, depth: int = 3, data_preprocessor=None,
+                 num_classes: int = NUM_CLASSES) -> None:
         super().__init__(data_preprocessor=data_preprocessor)
         self.embed = nn.Linear(IN_DIM, dim)
         self.blocks = nn.ModuleList(ToyBlock(dim) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, NUM_CLASSES)
+        self.head = nn.Linear(dim, num_classes)
 
     def init_weights(self) -> None:
         for module in self.modules():

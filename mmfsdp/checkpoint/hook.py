@@ -6,7 +6,9 @@ all. This subclass saves first, then points ``last_checkpoint`` at the new
 checkpoint (atomically), and only then removes the expired one; checkpoints that a
 crash at that point left behind are removed at the next save. Every option of
 the stock hook keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
-for ``CheckpointHook``.
+for ``CheckpointHook``. ``save_best`` honours ``state_dict_type`` and also
+writes the new best before deleting the old one; ``published_keys`` works on
+sharded checkpoints too (:mod:`.publish`).
 """
 import logging
 import os
@@ -21,6 +23,7 @@ from mmengine.logging import MMLogger
 from ..registry import HOOKS
 from ..together import fail_together
 from .durable import write_text_atomically
+from .publish import publish
 
 __all__ = ['CheckpointHook']
 
@@ -79,6 +82,67 @@ class CheckpointHook(MMEngineCheckpointHook):
                     _remove(self.file_backend.join_path(self.out_dir,
                                                         self.filename_tmpl.format(expired)))
                 self._remove_orphans(runner)
+
+    def _save_best_checkpoint(self, runner, metrics) -> None:
+        """The stock ``save_best``, saved like every other checkpoint, new before old.
+
+        The stock hook saves the best checkpoint without the hook's extra
+        arguments (so always ``state_dict_type='full'``) and deletes the
+        previous best before writing the new one. Here ``state_dict_type`` and
+        the other ``**args`` apply, and the previous best is removed only once
+        the new one is complete.
+        """
+        if not self.save_best:
+            return
+        step, unit = (runner.epoch, 'epoch') if self.by_epoch else (runner.iter, 'iter')
+        meta = dict(epoch=runner.epoch, iter=runner.iter)
+        if 'auto' in self.key_indicators:
+            self._init_rule(self.rules, [next(iter(metrics))])
+        single = len(self.key_indicators) == 1
+        updated = False
+        for indicator, rule in zip(self.key_indicators, self.rules):
+            score_key = 'best_score' if single else f'best_score_{indicator}'
+            score, best = metrics[indicator], runner.message_hub.get_info(
+                score_key, self.init_value_map[rule])
+            if score is None or not self.is_better_than[indicator](score, best):
+                continue
+            updated = True
+            runner.message_hub.update_info(score_key, score)
+            previous = self.best_ckpt_path if single else self.best_ckpt_path_dict[indicator]
+            name = f'best_{indicator}_{self.filename_tmpl.format(step)}'.replace('/', '_')
+            path = self.file_backend.join_path(self.out_dir, name)
+            if single:
+                self.best_ckpt_path = path
+            else:
+                self.best_ckpt_path_dict[indicator] = path
+            runner.message_hub.update_info('best_ckpt' if single else f'best_ckpt_{indicator}',
+                                           path)
+            runner.save_checkpoint(self.out_dir, filename=name,
+                                   file_client_args=self.file_client_args, save_optimizer=False,
+                                   save_param_scheduler=False, meta=meta, by_epoch=False,
+                                   backend_args=self.backend_args, **self.args)
+            with fail_together(f'removing the previous best checkpoint {previous}'):
+                if is_main_process() and previous and previous != path:
+                    _remove(previous)
+                    runner.logger.info(f'The previous best checkpoint {previous} is removed')
+            runner.logger.info(f'The best checkpoint with {score:0.4f} {indicator} at {step} '
+                               f'{unit} is saved to {name}.')
+        # As mmengine: save the regular checkpoint again, so that the message hub
+        # it holds names the current best (resuming must be able to remove it).
+        if updated and self.last_ckpt is not None:
+            self._save_checkpoint_with_step(runner, step, meta)
+
+    def _publish_model(self, runner, ckpt_path: str) -> None:
+        """Publish a full file or a sharded directory (:func:`~.publish.publish`)."""
+        with fail_together(f'publishing {ckpt_path}'):
+            if is_main_process():
+                published = publish(ckpt_path, self.published_keys)
+                if published['removed']:
+                    runner.logger.info(
+                        f'Keys {published["removed"]} are left out of the published checkpoint: '
+                        'they are not in published_keys')
+                runner.logger.info(f'The checkpoint ({ckpt_path}) is published to '
+                                   f'{published["path"]}.')
 
     def _remove_orphans(self, runner) -> None:
         """Delete checkpoints older than the oldest kept one.

@@ -6,30 +6,34 @@ formats of :mod:`mmfsdp.checkpoint`, and keep everything else of mmengine's
 behaviour (meta, message hub, schedulers, hooks, ``CheckpointHook`` options).
 """
 import os.path as osp
-import re
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import mmengine
+import torch
 import torch.distributed as dist
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 from mmengine.hooks import EMAHook as MMEngineEMAHook
 
 from ..ema import EMAHook
-from ..names import for_tta_model, model_state_names
+from ..names import for_tta_model
 from ..together import control_group, fail_together
 from .durable import remove_stale_temporaries
+from .encoding import decode, encode, unsafe_values, without_code
 from .hook import CheckpointHook
 from .integrity import find_complete_checkpoint
-from .safe_io import (
-    UNSAFE_SWITCH,
-    decode_message_hub,
-    encode_message_hub,
-    load_file,
-    save_atomically,
+from .matching import KeyMatch, match_keys, model_shapes
+from .safe_io import UNSAFE_SWITCH, save_atomically
+from .sharded import (
+    META_FILE,
+    checkpoint_model_shapes,
+    is_sharded_checkpoint,
+    load_sharded,
+    read_sharded_meta,
+    save_sharded,
 )
-from .sharded import META_FILE, is_sharded_checkpoint, load_sharded, read_sharded_meta, save_sharded
+from .sources import read_checkpoint
 from .state import (
     StateDictType,
     gather_full_state,
@@ -54,6 +58,9 @@ def resolve_save_timeout(value: Any) -> float:
         raise TypeError(f'default_hooks.checkpoint.save_timeout: expected positive seconds, '
                         f'got {value!r}')
     return float(value)
+
+#: Checkpoint entries that hold only tensors: nothing in them to decode.
+_TENSOR_KEYS = ('state_dict', 'optimizer')
 
 
 #: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
@@ -116,7 +123,7 @@ class CheckpointMixin:
         path = osp.join(out_dir, filename)
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         checkpoint: Dict[str, Any] = dict(meta=self._checkpoint_meta(meta, by_epoch),
-                                          message_hub=encode_message_hub(self.message_hub))
+                                          message_hub=self.message_hub.state_dict())
         if save_param_scheduler and self.param_schedulers is not None:
             checkpoint['param_schedulers'] = self._scheduler_states()
         if kind is StateDictType.FULL:
@@ -128,7 +135,7 @@ class CheckpointMixin:
             with fail_together(f'saving checkpoint {path}', wait_s):
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                    save_atomically(checkpoint, path)
+                    save_atomically(self._safe_to_load(checkpoint), path)
                     remove_stale_temporaries(out_dir)
         else:
             if optim_wrapper is not None:
@@ -139,6 +146,7 @@ class CheckpointMixin:
             with fail_together(f'before_save_checkpoint hooks for {path}'):
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+                    checkpoint = self._safe_to_load(checkpoint)
             save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards)
 
     def load_checkpoint(self,
@@ -147,37 +155,65 @@ class CheckpointMixin:
                         strict: bool = False,
                         revise_keys: Sequence[Tuple[str, str]] = ((r'^module.', ''), )
                         ) -> Dict:
-        """Load model weights from a full file, a sharded directory or an mmengine file.
+        """Load model weights from a full file, a sharded directory, an mmengine file or URI.
 
-        Weights go straight into the (possibly sharded) model; each rank keeps
-        only its shard. ``map_location`` is accepted for compatibility: files
-        are read to the CPU and copied to the parameters' devices.
+        mmengine's semantics: ``revise_keys`` renames the checkpoint's keys;
+        entries whose key or shape does not fit the model are skipped and
+        listed in one warning on rank 0 (an error with ``strict=True``). A
+        sharded directory of which no key fits is an error. Weights go
+        straight into the (possibly sharded) model; each rank keeps only its
+        shard. ``map_location`` is accepted for compatibility: files are read
+        to the CPU and copied to the parameters' devices.
         """
         allow_unsafe = bool(self.cfg.get(UNSAFE_SWITCH, False))
-        if is_sharded_checkpoint(filename):
+        sharded = is_sharded_checkpoint(filename)
+        if sharded:
             checkpoint = read_sharded_meta(filename, allow_unsafe)
-            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-            load_sharded(filename, self.model, strict=strict)
-            self.call_hook('after_load_checkpoint_shards', path=filename, checkpoint=checkpoint)
         else:
-            checkpoint = load_file(filename, allow_unsafe)
-            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+            checkpoint = read_checkpoint(filename, allow_unsafe)
+            if not isinstance(checkpoint, dict):
+                raise RuntimeError(f'No state_dict found in checkpoint file {filename}')
+        checkpoint = {k: v if k in _TENSOR_KEYS else decode(v) for k, v in checkpoint.items()}
+        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        own = model_shapes(self.model)
+        if sharded:
+            match = match_keys(own, checkpoint_model_shapes(filename), revise_keys)
+            self._check_match(match, filename, strict, sharded=True)
+            if getattr(self, '_resuming', False):
+                self._resume_match = match  # resume() reads model and optimizer in one pass
+            else:
+                load_sharded(filename, self.model, match=match)
+                self.call_hook('after_load_checkpoint_shards', path=filename,
+                               checkpoint=checkpoint)
+        else:
             state = checkpoint.get('state_dict', checkpoint)
-            own = model_state_names(self.model)  # a model's own child may be called 'module'
-            for pattern, replacement in revise_keys:
-                state = {k if k in own else re.sub(pattern, replacement, k): v
-                         for k, v in state.items()}
-            state = for_tta_model(state, own)
-            missing, unexpected = load_full_model_state(self.model, state, strict)
-            if missing or unexpected:
-                self.logger.warning(f'Loaded {filename} with missing keys {missing} and '
-                                    f'unexpected keys {unexpected}')
-        if 'message_hub' in checkpoint:
-            checkpoint['message_hub'] = decode_message_hub(checkpoint['message_hub'])
+            state = for_tta_model(state, set(own))  # mmengine loads a plain model into TTA
+            match = match_keys(own, {k: torch.Size(v.shape) if isinstance(v, torch.Tensor)
+                                     else None for k, v in state.items()}, revise_keys)
+            self._check_match(match, filename, strict, sharded=False)
+            load_full_model_state(self.model, {k: state[saved] for k, saved
+                                               in match.loaded.items()}, strict=False)
         self._loaded_checkpoint = (filename, checkpoint)
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
+
+    def _check_match(self, match: KeyMatch, filename: str, strict: bool, sharded: bool) -> None:
+        """Raise (every rank) or warn (rank 0) about checkpoint entries that do not fit."""
+        if sharded and not match.loaded:
+            found = next(iter(match.unexpected), None)
+            expected = next(iter(match.missing), None)
+            raise ValueError(
+                f'load_from={filename!r}: no key of this sharded checkpoint matches the model '
+                f'(first expected key: {expected!r}, first found: {found!r}). Load a checkpoint '
+                'of this model, or rename the keys with '
+                'FSDPRunner.load_checkpoint(..., revise_keys=[(pattern, replacement)]).')
+        if match.exact:
+            return
+        if strict:
+            raise RuntimeError(f'{filename}: {match.report()}')
+        if is_main_process():
+            self.logger.warning(match.report())
 
     def resume(self,
                filename: str,
@@ -192,15 +228,33 @@ class CheckpointMixin:
         """
         if getattr(self, '_load_from', None) is None:
             filename = self._complete_checkpoint(filename)
-        super().resume(filename, resume_optimizer=False,
-                       resume_param_scheduler=resume_param_scheduler, map_location='cpu')
-        if not resume_optimizer or isinstance(self.optim_wrapper, dict):
-            return
+        self._resuming = True
+        try:
+            super().resume(filename, resume_optimizer=False,
+                           resume_param_scheduler=resume_param_scheduler, map_location='cpu')
+        finally:
+            self._resuming = False
         path, checkpoint = self._loaded_checkpoint
-        if is_sharded_checkpoint(path) and 'optimizer_param_groups' in checkpoint:
-            load_sharded(path, self.model, self.optim_wrapper, meta=checkpoint)
-        elif 'optimizer' in checkpoint:
-            load_full_optimizer_state(self.model, self.optim_wrapper, checkpoint['optimizer'])
+        optim_wrapper = (self.optim_wrapper if resume_optimizer
+                         and not isinstance(self.optim_wrapper, dict) else None)
+        if is_sharded_checkpoint(path):
+            if 'optimizer_param_groups' not in checkpoint:
+                optim_wrapper = None
+            load_sharded(path, self.model, optim_wrapper, match=self._resume_match,
+                         meta=checkpoint)
+            self.call_hook('after_load_checkpoint_shards', path=path, checkpoint=checkpoint)
+        elif optim_wrapper is not None and 'optimizer' in checkpoint:
+            load_full_optimizer_state(self.model, optim_wrapper, checkpoint['optimizer'])
+
+    def _safe_to_load(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """``checkpoint`` encoded for ``weights_only`` loading; warn about what cannot be."""
+        checkpoint = encode(checkpoint)
+        for where, kind in unsafe_values(checkpoint):
+            self.logger.warning(
+                f'{where} is a {kind.__module__}.{kind.__qualname__}, which '
+                'torch.load(weights_only=True) refuses: this checkpoint will load only with '
+                f'`{UNSAFE_SWITCH} = True`. Store plain values or tensors there instead.')
+        return checkpoint
 
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""
@@ -227,6 +281,6 @@ class CheckpointMixin:
 
     def _scheduler_states(self) -> Any:
         if isinstance(self.param_schedulers, dict):
-            return {name: [s.state_dict() for s in schedulers]
+            return {name: [without_code(s.state_dict()) for s in schedulers]
                     for name, schedulers in self.param_schedulers.items()}
-        return [s.state_dict() for s in self.param_schedulers]
+        return [without_code(s.state_dict()) for s in self.param_schedulers]

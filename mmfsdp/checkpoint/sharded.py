@@ -15,28 +15,41 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
+import torch
 import torch.distributed.checkpoint as dcp
 from mmengine.dist import is_main_process
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
 from ..together import fail_together
 from .durable import TMP_SUFFIX, remove_stale_temporaries
+from .matching import KeyMatch, match_keys
 from .safe_io import load_file, replace_path, save_atomically
-from .state import AnyOptimWrapper, load_optimizer_extras, named_optim_wrappers, sharded_state
+from .state import (
+    AnyOptimWrapper,
+    _options,
+    load_optimizer_extras,
+    load_param_groups,
+    named_optim_wrappers,
+    optimizer_template,
+    sharded_state,
+)
 
-__all__ = ['META_FILE', 'is_sharded_checkpoint', 'load_sharded', 'read_sharded_meta',
-           'save_sharded']
+__all__ = ['META_FILE', 'checkpoint_model_shapes', 'is_sharded_checkpoint', 'load_sharded',
+           'read_sharded_meta', 'save_sharded']
 
 #: The file of a sharded checkpoint that holds everything but the shards.
 META_FILE = 'mmengine.pth'
+
+# Top-level keys of the shards, as DCP flattens them into its metadata.
+_MODEL, _OPTIMIZER = 'model.', 'optimizer.'
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -77,28 +90,66 @@ def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
     return load_file(os.path.join(path, META_FILE), allow_unsafe)
 
 
+def checkpoint_model_shapes(path: str) -> Dict[str, Optional[torch.Size]]:
+    """The model keys and full shapes stored in a sharded checkpoint (reads only ``.metadata``)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key[len(_MODEL):]: getattr(entry, 'size', None)
+            for key, entry in metadata.items() if key.startswith(_MODEL)}
+
+
+def _optimizers_with_shards(path: str, optim_wrapper: AnyOptimWrapper) -> List[Optional[str]]:
+    """The optim wrappers (by name) whose optimizer state the sharded checkpoint holds.
+
+    An optimizer that had no state when saved (SGD without momentum, or
+    before its first step) has no shards.
+    """
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = [name for name, _ in named_optim_wrappers(optim_wrapper)]
+    return [name for name in names
+            if any(k.startswith(_OPTIMIZER if name is None else f'{_OPTIMIZER}{name}.')
+                   for k in keys)]
+
+
 def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper] = None,
-                 strict: bool = True, meta: Optional[Dict[str, Any]] = None) -> None:
+                 match: Optional[KeyMatch] = None, meta: Optional[Dict[str, Any]] = None) -> None:
     """Load the model (and the optimizer) from a sharded checkpoint, at any world size.
 
     Each rank reads the pieces of the saved shards that overlap its own.
-    ``meta`` is the checkpoint's :data:`META_FILE` content, needed for the
-    optimizer (param groups, optim-wrapper extras).
+    ``match`` (:func:`~.matching.match_keys`) says which checkpoint entry goes
+    into which model key; without it every key must match exactly. ``meta`` is
+    the checkpoint's :data:`META_FILE` content, needed for the optimizer
+    (param groups, optim-wrapper extras).
     """
-    shards, _ = sharded_state(model, optim_wrapper)
+    options = _options(model, full=False)
+    own = get_model_state_dict(model, options=options)
+    if match is None:
+        match = match_keys({k: None for k in own}, {k: None for k in own})
+    template: Dict[str, Any] = dict(model={saved: own[key] for key, saved in match.loaded.items()})
+    with_shards = [] if optim_wrapper is None else _optimizers_with_shards(path, optim_wrapper)
+    wrappers = dict(named_optim_wrappers(optim_wrapper)) if optim_wrapper is not None else {}
+    if with_shards == [None]:
+        template['optimizer'] = optimizer_template(model, wrappers[None].optimizer)
+    elif with_shards:
+        template['optimizer'] = {name: optimizer_template(model, wrappers[name].optimizer)
+                                 for name in with_shards}
     with _single_process_is_intended():
-        dcp.load(shards, checkpoint_id=path,
-                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    options = StateDictOptions(full_state_dict=False, strict=strict)
-    set_model_state_dict(model, shards['model'], options=options)
+        dcp.load(template, checkpoint_id=path)
+    loaded = {key: template['model'][saved] for key, saved in match.loaded.items()}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if optim_wrapper is None:
         return
     meta = meta if meta is not None else read_sharded_meta(path)
     groups, extras = meta['optimizer_param_groups'], meta.get('optimizer_extras') or {}
-    for name, wrapper in named_optim_wrappers(optim_wrapper):
-        state = dict(state=_select(shards['optimizer'], name)['state'],
-                     param_groups=_select(groups, name))
-        set_optimizer_state_dict(model, wrapper.optimizer, state, options=options)
+    for name, wrapper in wrappers.items():
+        own_groups = _select(groups, name)
+        if name in with_shards:
+            state = dict(state=_select(template['optimizer'], name)['state'],
+                         param_groups=own_groups)
+            load_param_groups(wrapper.optimizer, own_groups)  # checks the parameter counts
+            set_optimizer_state_dict(model, wrapper.optimizer, state, options=options)
+        else:  # saved without optimizer state: DCP's template step must not leave any
+            wrapper.optimizer.state.clear()
+            load_param_groups(wrapper.optimizer, own_groups)
         load_optimizer_extras(wrapper, _select(extras, name) if extras else {})
 
 

@@ -29,8 +29,9 @@ from ..dist import current_device
 from ..names import unwrapped_param_names
 from ..options import resolve_enum
 
-__all__ = ['StateDictType', 'full_state_on_rank0', 'gather_full_state', 'named_optim_wrappers',
-           'load_full_model_state', 'load_full_optimizer_state', 'optimizer_extras',
+__all__ = ['StateDictType', 'full_state_on_rank0', 'gather_full_state', 'load_full_model_state',
+           'load_full_optimizer_state', 'load_optimizer_extras', 'load_param_groups',
+           'named_optim_wrappers', 'optimizer_extras', 'optimizer_state', 'optimizer_template',
            'resolve_state_dict_type', 'sharded_state']
 
 AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
@@ -94,6 +95,24 @@ def optimizer_extras(optim_wrapper: AnyOptimWrapper) -> Any:
         k: v for k, v in w.state_dict().items() if k not in _OPTIMIZER_KEYS})
 
 
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    options: StateDictOptions) -> Dict[str, Any]:
+    """``get_optimizer_state_dict``, without its side effect on an optimizer that has no state.
+
+    DCP initialises an empty optimizer state by a ``step()`` with zero
+    gradients at lr 0: the parameters do not move, but Adam's ``step`` count
+    and moments now exist, so training after a save made before the first
+    real step would differ from training without it. That state is removed
+    again, and an optimizer without state is saved as ``state == {}``.
+    """
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    if fresh:
+        optimizer.state.clear()
+        state = dict(state, state={})
+    return state
+
+
 def gather_full_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
                       ) -> Tuple[Dict[str, torch.Tensor], Optional[Any]]:
     """The unsharded model state and name-keyed optimizer state (collective)."""
@@ -102,12 +121,12 @@ def gather_full_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
     if optim_wrapper is None:
         return model_state, None
 
-    def optimizer_state(wrapper: OptimWrapper) -> Dict[str, Any]:
+    def wrapper_state(wrapper: OptimWrapper) -> Dict[str, Any]:
         state = {k: v for k, v in wrapper.state_dict().items() if k not in _OPTIMIZER_KEYS}
-        state.update(get_optimizer_state_dict(model, wrapper.optimizer, options=options))
+        state.update(optimizer_state(model, wrapper.optimizer, options))
         return state
 
-    return model_state, _per_wrapper(optim_wrapper, optimizer_state)
+    return model_state, _per_wrapper(optim_wrapper, wrapper_state)
 
 
 def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
@@ -118,21 +137,37 @@ def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
     saves, and the template a sharded checkpoint is loaded into; the param
     groups (hyperparameters and parameter names, the same on every rank) are
     kept apart, as plain values, so that no pickled object enters the shards.
+    An optimizer without state (SGD without momentum, or before its first
+    step) has no shards.
     """
     options = _options(model, full=False)
     shards: Dict[str, Any] = dict(model=get_model_state_dict(model, options=options))
     if optim_wrapper is None:
         return shards, None
-    states = _per_wrapper(optim_wrapper, lambda w: get_optimizer_state_dict(
-        model, w.optimizer, options=options))
-    if 'state' in states:
-        shards['optimizer'] = dict(state=states['state'])
-        return shards, states['param_groups']
-    shards['optimizer'] = {name: dict(state=s['state']) for name, s in states.items()}
-    return shards, {name: s['param_groups'] for name, s in states.items()}
+    states = {name: optimizer_state(model, w.optimizer, options)
+              for name, w in named_optim_wrappers(optim_wrapper)}
+    tensors = {name: dict(state=s['state']) for name, s in states.items() if s['state']}
+    groups = {name: s['param_groups'] for name, s in states.items()}
+    if None in states:
+        if tensors:
+            shards['optimizer'] = tensors[None]
+        return shards, groups[None]
+    if tensors:
+        shards['optimizer'] = tensors
+    return shards, groups
 
 
-def load_full_model_state(model: nn.Module, state: Dict[str, torch.Tensor],
+def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer-state tensors of this rank, to load a sharded checkpoint's shards into.
+
+    An optimizer without state gets DCP's initial state (zeros) as the
+    template; loading overwrites it.
+    """
+    return dict(state=get_optimizer_state_dict(model, optimizer,
+                                               options=_options(model, full=False))['state'])
+
+
+def load_full_model_state(model: nn.Module, state: Dict[str, Any],
                           strict: bool) -> Tuple[List[str], List[str]]:
     """Load an unsharded state dict; returns the missing and unexpected keys."""
     result = set_model_state_dict(model, state, options=_options(model, full=True, strict=strict))
@@ -143,6 +178,7 @@ def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimiz
                            model: nn.Module) -> Dict[str, Any]:
     """Convert torch's integer-keyed optimizer state to parameter names."""
     groups = state['param_groups']
+    _check_param_counts(groups, optimizer)
     if not groups or not groups[0]['params'] or isinstance(groups[0]['params'][0], str):
         return state
     names = unwrapped_param_names(model)
@@ -152,6 +188,25 @@ def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimiz
                 param_groups=[dict(g, params=[by_id[i] for i in g['params']]) for g in groups])
 
 
+def _check_param_counts(groups: List[Dict[str, Any]], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer state whose param groups do not fit this optimizer's."""
+    saved = [len(g['params']) for g in groups]
+    own = [len(g['params']) for g in optimizer.param_groups]
+    if saved != own:
+        raise ValueError(
+            f'the optimizer state in the checkpoint has param groups of {saved} parameters, '
+            f'this optimizer has {own}: it was saved for another model or optim_wrapper '
+            '(paramwise_cfg). Resume with the config that saved it, or set `resume = False` '
+            'and use `load_from` to load the weights only.')
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> None:
+    """Restore hyperparameters (lr, momentum, ...) of each param group; not the parameters."""
+    _check_param_counts(groups, optimizer)
+    for own, saved in zip(optimizer.param_groups, groups):
+        own.update({k: v for k, v in saved.items() if k != 'params'})
+
+
 def load_full_optimizer_state(model: nn.Module, optim_wrapper: AnyOptimWrapper,
                               state: Any) -> None:
     """Load a full optimizer state (name-keyed, or torch's integer-keyed format)."""
@@ -159,8 +214,11 @@ def load_full_optimizer_state(model: nn.Module, optim_wrapper: AnyOptimWrapper,
         own = state if name is None else state[name]
         optimizer_state = _named_optimizer_state(
             {k: own[k] for k in _OPTIMIZER_KEYS}, wrapper.optimizer, model)
-        set_optimizer_state_dict(model, wrapper.optimizer, optimizer_state,
-                                 options=_options(model, full=True))
+        if optimizer_state['state']:
+            set_optimizer_state_dict(model, wrapper.optimizer, optimizer_state,
+                                     options=_options(model, full=True))
+        else:  # nothing to scatter; DCP would also create state by a zero step
+            load_param_groups(wrapper.optimizer, optimizer_state['param_groups'])
         load_optimizer_extras(wrapper, {k: v for k, v in own.items()
                                         if k not in _OPTIMIZER_KEYS})
 
@@ -169,3 +227,7 @@ def load_optimizer_extras(wrapper: OptimWrapper, extras: Dict[str, Any]) -> None
     """Restore the optim wrapper's own state, e.g. an AMP loss scaler."""
     if 'loss_scaler' in extras and hasattr(wrapper, 'loss_scaler'):
         wrapper.loss_scaler.load_state_dict(extras['loss_scaler'])
+    # The base values that schedulers scale (OptimWrapper.param_groups' last
+    # entry), present whenever there are several param groups (paramwise_cfg).
+    if extras.get('base_param_settings') is not None:
+        wrapper.base_param_settings = extras['base_param_settings']
