@@ -38,6 +38,7 @@ from ..plan.spec import Construction, Padding, ShardingSpec
 from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 from ..registry import MODEL_WRAPPERS
 from ..tied import merge_units_sharing_parameters
+from ..unused_params import UsageProbe, check_same_parameters_used
 from .guard import reject_stock_runner
 from .holder import ModelHolder
 from .mesh import build_mesh, check_reshard_after_forward
@@ -75,7 +76,8 @@ class FullyShardConfig:
     #: Reduce a zero gradient for every parameter that got none in this rank's
     #: backward (as DDP's option of this name, and FSDP1 always): needed when
     #: ranks use different parameters (a head used on some ranks only, MoE
-    #: experts); without it their reduce-scatters do not match. Costs the
+    #: experts); without it their reduce-scatters do not match, which the first
+    #: training forward detects (an error naming the parameters). Costs the
     #: zeros' communication. Every sharded unit must still run its forward on
     #: every rank.
     find_unused_parameters: bool = False
@@ -239,6 +241,9 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
         if cfg.find_unused_parameters:
             for root in self._roots:
                 root.set_reduce_scatter_unused_params(True)
+        # Without the option, the first training forward checks that no rank left
+        # a parameter unused that another used (a hang in backward otherwise).
+        self._usage_probe = None if cfg.find_unused_parameters else UsageProbe(module)
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
@@ -289,7 +294,11 @@ class MMFullyShard(DataParallelSteps, ModelHolder):
         """The sharded model's forward; gradients of the coming backward sync unless in no_sync."""
         for root in self._roots:
             root.set_requires_gradient_sync(self._sync_gradients)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self._usage_probe is not None and self.training and torch.is_grad_enabled():
+            probe, self._usage_probe = self._usage_probe, None
+            check_same_parameters_used(probe.remove())
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
