@@ -38,6 +38,22 @@ class FrozenBackboneClassifier(ToyClassifier):
 
 
 @MODELS.register_module()
+class BufferedClassifier(ToyClassifier):
+    """``ToyClassifier`` with a buffer (a logit temperature), which DDP can broadcast."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer('temperature', torch.ones(()))
+
+    def forward(self, inputs: torch.Tensor, data_samples: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return outputs(self.head(self.norm(x)).float() / self.temperature, data_samples, mode)
+
+
+@MODELS.register_module()
 class ModuleNamedClassifier(ToyClassifier):
     """``ToyClassifier`` with a child named ``module`` and a grandchild ``neck.module``."""
 

@@ -1,7 +1,8 @@
 """mmengine's model contract under every wrapper: clipping, default wrapper, names.
 
-All scenarios run in one 2-process gloo group; each is compared with mmengine's
-*stock* ``Runner`` on one process (global batch, no mmfsdp code).
+The scenarios run in two 2-process gloo groups (steps and clipping; TTA and
+names); each is compared with mmengine's *stock* ``Runner`` on one process
+(global batch, no mmfsdp code).
 """
 import copy
 import os
@@ -112,6 +113,16 @@ def _tta_config(root: str, run: str, checkpoint: str, **kwargs) -> Config:
     return tta_config(Config(cfg))
 
 
+def _uneven_val_config(root: str, run: str, batch_size: int, **kwargs) -> Config:
+    """Validation where the ranks see different numbers of batches (5 samples, no padding)."""
+    cfg = _config(run, root, dict(type='BufferedClassifier'), ADAMW, val=True, max_iters=2,
+                  batch_size=batch_size, **kwargs)
+    cfg['val_dataloader'].update(batch_size=1, sampler=dict(type='DefaultSampler',
+                                                            shuffle=False, round_up=False))
+    cfg['val_dataloader']['dataset']['length'] = 5
+    return Config(cfg)
+
+
 def _run_all(root: str) -> dict:
     from mmfsdp import FSDPRunner
     results = {}
@@ -125,6 +136,10 @@ def _run_all(root: str) -> dict:
                              wrapper=type(runner.model).__name__,
                              find_unused=getattr(runner.model, 'find_unused_parameters', None),
                              cfg_after=cfg.model_wrapper_cfg.to_dict())
+    runner = FSDPRunner.from_cfg(_uneven_val_config(
+        root, 'uneven-val', PER_RANK_BATCH, wrapper=dict(DDP, broadcast_buffers=True)))
+    runner.train()
+    results['ddp/uneven_val'] = runner.val()
     for wrapper, wrapper_cfg in GAN_WRAPPERS.items():
         cfg = Config(_config(f'gan-{wrapper}', root, GAN, GAN_OPTIM, wrapper=wrapper_cfg,
                              batch_size=PER_RANK_BATCH, val=True))
@@ -138,6 +153,12 @@ def _run_all(root: str) -> dict:
         results['gan/refused'] = None
     except ValueError as e:
         results['gan/refused'] = str(e)
+    return results if torch.distributed.get_rank() == 0 else None
+
+
+def _run_tta_and_names(root: str) -> dict:
+    from mmfsdp import FSDPRunner
+    results = {}
     for wrapper, wrapper_cfg in WRAPPERS.items():
         runner = FSDPRunner.from_cfg(_tta_config(root, f'tta-{wrapper}', f'{root}/tta.pth',
                                                  wrapper=wrapper_cfg))
@@ -156,7 +177,9 @@ def _run_all(root: str) -> dict:
 def distributed(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp('dist'))
     _train_tta_checkpoint(f'{root}/tta.pth')
-    return dict(run_distributed(_run_all, WORLD_SIZE, root)[0], root=root)
+    results = run_distributed(_run_all, WORLD_SIZE, root)[0]
+    results.update(run_distributed(_run_tta_and_names, WORLD_SIZE, root)[0])
+    return dict(results, root=root)
 
 
 def _train_tta_checkpoint(path: str) -> None:
@@ -278,3 +301,26 @@ def test_tta_equals_one_process(wrapper, distributed, tmp_path_factory):
     assert sorted(got['test']) == ['accuracy', 'nll']
     assert got['test']['nll'] == pytest.approx(expected['nll'], abs=TOL)
     assert got['test']['accuracy'] == expected['accuracy']
+
+
+def test_ddp_evaluation_is_no_collective(distributed, tmp_path_factory):
+    """broadcast_buffers=True and 3 vs 2 val batches: DDP.forward would hang on the third."""
+    runner = Runner.from_cfg(_uneven_val_config(str(tmp_path_factory.mktemp('uneven')),
+                                                'uneven-ref', PER_RANK_BATCH * WORLD_SIZE,
+                                                launcher='none'))
+    runner.train()
+    expected = runner.val()
+    got = distributed['ddp/uneven_val']
+    assert got['nll'] == pytest.approx(expected['nll'], abs=TOL)
+    assert got['accuracy'] == expected['accuracy']
+
+
+@pytest.mark.parametrize('wrapper', ['MMFullyShardedDataParallel', 'MMFullyShard'])
+def test_own_steps_with_parameters_on_the_model_itself_are_refused(wrapper):
+    """Checked before wrapping (FSDPRunner.wrap_model), with what to do instead."""
+    import mmfsdp
+    model = contract_models.ToyGAN()
+    model.scale = torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match=r"\['scale'\] belong to ToyGAN itself.*child module"):
+        getattr(mmfsdp, wrapper).check_config({}, model)
+    getattr(mmfsdp, wrapper).check_config({}, contract_models.ToyGAN())  # children only: fine
