@@ -122,7 +122,9 @@ def export_launcher_env(launcher: str, env: MutableMapping[str, str]) -> None:
         env.setdefault('RANK', env['SLURM_PROCID'])
         env.setdefault('WORLD_SIZE', env['SLURM_NTASKS'])
         env.setdefault('LOCAL_RANK', env['SLURM_LOCALID'])
-        if 'LOCAL_WORLD_SIZE' not in env:
+        # srun always sets SLURM_TASKS_PER_NODE; wrappers around it may not,
+        # and only mesh='node' needs the count (it says so when it is missing).
+        if 'LOCAL_WORLD_SIZE' not in env and 'SLURM_TASKS_PER_NODE' in env:
             env['LOCAL_WORLD_SIZE'] = str(_slurm_tasks_on_node(
                 env['SLURM_TASKS_PER_NODE'], int(env.get('SLURM_NODEID', 0))))
         env.setdefault('MASTER_PORT', '29500')

@@ -89,6 +89,15 @@ def test_slurm_variables_give_local_world_size(node, expected):
     assert (env['RANK'], env['WORLD_SIZE'], env['LOCAL_RANK']) == (str(3 * node), '7', '0')
 
 
+def test_slurm_without_tasks_per_node_leaves_local_world_size_unset():
+    """A wrapper around srun that drops the count starts the job; only mesh='node' needs it."""
+    env = _slurm_env(0, 0, 0)
+    del env['SLURM_TASKS_PER_NODE']
+    export_launcher_env('slurm', env)
+    assert 'LOCAL_WORLD_SIZE' not in env
+    assert (env['RANK'], env['WORLD_SIZE'], env['LOCAL_RANK']) == ('0', '7', '0')
+
+
 def test_mpi_variables_give_local_world_size():
     env = dict(OMPI_COMM_WORLD_RANK='5', OMPI_COMM_WORLD_SIZE='8', OMPI_COMM_WORLD_LOCAL_RANK='1',
                OMPI_COMM_WORLD_LOCAL_SIZE='4')

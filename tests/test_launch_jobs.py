@@ -123,6 +123,9 @@ while args and args[0].startswith('-'):
         options[key], args = value, args[1:]
 ntasks = int(options['--ntasks'])
 per_node = int(options.get('--ntasks-per-node', ntasks))
+full, rest = divmod(ntasks, per_node)
+tasks_per_node = ','.join(([f'{{per_node}}(x{{full}})' if full > 1 else str(per_node)] if full else [])
+                          + ([str(rest)] if rest else []))
 with open(os.environ['FAKE_SRUN_RECORD'], 'w') as f:
     json.dump(dict(options=options, command=args), f)
 if os.environ.get('FAKE_SRUN_DRY_RUN'):
@@ -131,6 +134,7 @@ tasks = [subprocess.Popen(args, env=dict(
     os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks),
     SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
     SLURM_NNODES=str(-(-ntasks // per_node)), SLURM_NODELIST='node-[0-9]',
+    SLURM_TASKS_PER_NODE=tasks_per_node,
     SLURM_JOB_NAME=options.get('--job-name', ''))) for rank in range(ntasks)]
 codes = [task.wait() for task in tasks]
 sys.exit(next((code for code in codes if code), 0))
