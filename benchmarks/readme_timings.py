@@ -20,6 +20,7 @@ writes the same as JSON.
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,13 +48,20 @@ def _commands(work_dir: str) -> Dict[str, List[str]]:
     )
 
 
+def _free_port() -> int:
+    """A free local port for torchrun's rendezvous (another job may hold 29500)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
 def _load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
 def measure(name: str, cmd: List[str]) -> Dict[str, Any]:
     """Run ``cmd`` from the repository root; its wall time, exit code and the load around it."""
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, PORT=str(_free_port()))
     before = _load_average()
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
