@@ -79,6 +79,14 @@ class CheckpointMixin:
     ``load_from`` and ``resume`` accept a full file, a sharded directory, or an
     ordinary mmengine checkpoint (the latter needs ``allow_unsafe_checkpoints = True``
     in the config when it pickles mmengine or numpy classes).
+
+    Hooks whose state is sharded like the model (:class:`mmfsdp.ema.EMAHook`)
+    may implement two more hook points, called on every rank:
+    ``collect_checkpoint_state(runner, checkpoint, shards=None)`` before rank
+    0's ``before_save_checkpoint`` (``shards``: a dict saved beside the model's
+    shards, for a sharded directory), and
+    ``after_load_checkpoint_shards(runner, path, checkpoint)`` after a sharded
+    directory's model shards are loaded.
     """
 
     def register_hook(self, hook: Any, priority: Any = None) -> None:
