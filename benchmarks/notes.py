@@ -5,6 +5,8 @@ never explains a failure that no longer happens.
 """
 from typing import Any, List
 
+from .goals import PEAK_LIMITS, PEAK_MODEL, goals
+
 __all__ = ['checkpoint', 'failures', 'method', 'observations']
 
 MIB = 2**20
@@ -12,7 +14,6 @@ MIB = 2**20
 
 def failures(res: Any) -> List[str]:
     """One paragraph per failing goal: cause, and the fix where it is ours."""
-    from .report import goals
     failed = [g for g in goals(res) if g[3] is False]
     if not failed:
         return ['All goals pass.', '']
@@ -66,7 +67,6 @@ def _explain(goal: str, res: Any) -> str:
 def observations(res: Any) -> List[str]:
     """What the numbers say beyond pass / fail; each item only while the data shows it."""
     items = []
-    from .report import PEAK_LIMITS, PEAK_MODEL
     ratios, misses = [], []
     for model in res.models():
         for n in (2, 4):
