@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
+from .allocator import MallocTrimHook, apply_policy, resolve_cpu_allocator
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
@@ -133,6 +134,10 @@ class FSDPRunner(CheckpointMixin, Runner):
         self._meta_pending: list = []
         self._meta_check_after_load = False
         self._staged = False
+        # Before the process group's threads and the model allocate anything:
+        # the setting decides where their memory comes from.
+        self._cpu_allocator = apply_policy(resolve_cpu_allocator(env_cfg.get('cpu_allocator')),
+                                           current_device().type)
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
                              offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
@@ -140,6 +145,12 @@ class FSDPRunner(CheckpointMixin, Runner):
         elif self.distributed:
             set_current_device()  # a group started by the caller: still train on LOCAL_RANK's
         super().setup_env(env_cfg)
+
+    def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
+        """The stock hooks, plus ``malloc_trim`` after training iterations if configured."""
+        super().register_hooks(default_hooks, custom_hooks)
+        if self._cpu_allocator is not None and self._cpu_allocator.trim_interval:
+            self.register_hook(MallocTrimHook(self._cpu_allocator.trim_interval), 'LOW')
 
     def _model_wrapper_config(self) -> Dict[str, Any]:
         cfg = self.cfg.get('model_wrapper_cfg')

@@ -1,0 +1,299 @@
+"""CPU allocator: peak per rank and step time through the documented launch.
+
+``python -m benchmarks.allocator [--world-sizes 2 4] [--rounds 2] [--out JSON]``
+
+Every job is started exactly as the README tells a user to:
+``bash tools/dist_train.sh CONFIG N --work-dir DIR``, from the repository root,
+with the caller's environment minus every glibc malloc variable
+(``MALLOC_*``, ``GLIBC_TUNABLES``): whatever the allocator does, mmfsdp must do
+it itself. ``CONFIG`` is written per job: it inherits
+``configs/gpt-nano_{fsdp,ddp}_2xcpu.py``, sizes the model as gpt-100m (as in
+:mod:`benchmarks.workload`), turns checkpoints and validation off, and imports
+:mod:`benchmarks.alloc_probe`, whose hook records each rank's peak resident
+set per training iteration above the resident set when the config was loaded.
+
+Arms: DDP and FSDP1 FULL_SHARD, each with mmfsdp's default allocator setting
+(no key in the config) and with ``env_cfg.cpu_allocator='glibc'`` (glibc's own
+defaults, the opt-out). One round runs every arm once per world size, the
+order reversed every other round, so that the load of a shared machine falls
+on the arms alike; step-time ratios are taken within a round.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from .launch import REPO
+from .workload import MODELS
+
+__all__ = ['ARMS', 'main', 'run_job']
+
+#: Strategy label -> the documented config it inherits.
+CONFIGS = {'DDP': 'configs/gpt-nano_ddp_2xcpu.py',
+           'FSDP1 FULL_SHARD': 'configs/gpt-nano_fsdp_2xcpu.py'}
+#: Setting label -> the value of env_cfg.cpu_allocator (None: key absent, the default).
+SETTINGS: Dict[str, Any] = {'mmfsdp default': None, 'glibc (opt-out)': 'glibc'}
+GLIBC = 'glibc (opt-out)'
+ARMS = [(strategy, setting) for strategy in CONFIGS for setting in SETTINGS]
+MiB = 1 << 20
+#: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
+FLOOR_MODEL = 'gpt-tiny'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _config_text(strategy: str, allocator: Any, model: str, batch: int, seq: int,
+                 iters: int, out_dir: str) -> str:
+    dims = MODELS[model]
+    lines = [
+        f"_base_ = [{os.path.join(REPO, CONFIGS[strategy])!r}]",
+        f"model = dict(n_layer={dims['n_layer']}, n_embd={dims['n_embd']}, "
+        f"n_head={dims['n_head']}, block_size=128)",
+        f"train_dataloader = dict(batch_size={batch}, "
+        f"dataset=dict(block_size={seq}, max_chars=200_000))",
+        f"train_cfg = dict(by_epoch=False, max_iters={iters}, val_interval={iters + 1})",
+        'val_dataloader = None',
+        'val_cfg = None',
+        'val_evaluator = None',
+        'param_scheduler = []',
+        "default_hooks = dict(checkpoint=None, logger=dict(type='LoggerHook', interval=1000))",
+        "custom_imports = dict(imports=['benchmarks.alloc_probe'], allow_failed_imports=False)",
+        f"custom_hooks = [dict(type='AllocProbeHook', out_dir={out_dir!r})]",
+    ]
+    if allocator is not None:
+        lines.append(f'env_cfg = dict(cpu_allocator={allocator!r})')
+    return '\n'.join(lines) + '\n'
+
+
+def _clean_env() -> Dict[str, str]:
+    """The caller's environment without glibc malloc settings, for the launcher script."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith('MALLOC_') and k != 'GLIBC_TUNABLES'}
+    env.update(PYTHON=sys.executable, PORT=str(_free_port()))
+    return env
+
+
+def run_job(strategy: str, setting: str, allocator: Any, nproc: int, model: str, batch: int,
+            seq: int, warmup: int, steps: int, timeout: float = 1800) -> Dict[str, Any]:
+    """One documented-launch job; per measured step, the worst rank's peak and time.
+
+    ``allocator`` is the value of ``env_cfg.cpu_allocator`` (``None``: no key),
+    ``setting`` its label in the results.
+    """
+    with tempfile.TemporaryDirectory(prefix='mmfsdp-alloc-') as tmp:
+        out_dir = os.path.join(tmp, 'probe')
+        config = os.path.join(tmp, f"alloc_{strategy.split()[0].lower()}.py")
+        with open(config, 'w') as f:
+            f.write(_config_text(strategy, allocator, model, batch, seq, warmup + steps,
+                                 out_dir))
+        cmd = ['bash', 'tools/dist_train.sh', config, str(nproc), '--work-dir',
+               os.path.join(tmp, 'work')]
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True,
+                              timeout=timeout)
+        wall = time.perf_counter() - start
+        if proc.returncode:
+            raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}):\n'
+                               f'{proc.stderr[-3000:]}')
+        ranks = []
+        for r in range(nproc):
+            with open(os.path.join(out_dir, f'rank{r}.json')) as f:
+                ranks.append(json.load(f))
+    measured = range(warmup, warmup + steps)
+
+    def worst(fn: Any) -> List[float]:
+        return [max(fn(r, r['records'][i]) for r in ranks) for i in measured]
+
+    return dict(
+        strategy=strategy, setting=setting, world_size=nproc, model=model, batch_size=batch,
+        seq_len=seq, warmup=warmup, steps=steps, wall_s=round(wall, 1), load_before=load,
+        policy=ranks[0]['policy'],
+        peak_bytes=worst(lambda r, rec: rec['peak_bytes'] - r['baseline_bytes']),
+        peak_rss_bytes=worst(lambda r, rec: rec['peak_bytes']),
+        end_rss_bytes=worst(lambda r, rec: rec['end_bytes']),
+        baseline_bytes=[r['baseline_bytes'] for r in ranks],
+        step_time_s=worst(lambda r, rec: rec['time_s']),
+        step_cpu_s=worst(lambda r, rec: rec['cpu_s']))
+
+
+def _median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def _fmt(values: List[float], scale: float = MiB, digits: int = 1) -> str:
+    med = _median(values) / scale
+    lo, hi = min(values) / scale, max(values) / scale
+    return f'{med:,.{digits}f} ({lo:,.{digits}f}–{hi:,.{digits}f})'
+
+
+def _pooled(results: List[Dict[str, Any]], key: str, **match: Any) -> List[float]:
+    return [v for r in results if all(r[k] == m for k, m in match.items()) for v in r[key]]
+
+
+#: Goals of issue 16 part 4: FSDP FULL_SHARD peak / DDP peak per world size, step-time ratio.
+PEAK_GOALS = {2: 0.60, 4: 0.35}
+TIME_GOAL = 1.10
+
+
+def _time_ratios(results: List[Dict[str, Any]], n: int, strategy: str, setting: str,
+                 key: str = 'step_time_s') -> List[float]:
+    """Per round: the arm's median ``key`` / the glibc arm's, same strategy and N."""
+    ratios = []
+    for rnd in sorted({r['round'] for r in results if r['round'] != 'floor'}):
+        pair = {r['setting']: _median(r[key]) for r in results
+                if r['round'] == rnd and r['world_size'] == n and r['strategy'] == strategy}
+        if setting in pair and GLIBC in pair:
+            ratios.append(pair[setting] / pair[GLIBC])
+    return ratios
+
+
+def summarize(data: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per world size and allocator setting: peaks, ratios and goals (the report's rows)."""
+    measured = [r for r in data['results'] if r['round'] != 'floor']
+    floors = [r for r in data['results'] if r['round'] == 'floor']
+    rows = []
+    for n in sorted({r['world_size'] for r in measured}):
+        for setting in dict.fromkeys(r['setting'] for r in measured):
+            row: Dict[str, Any] = dict(world_size=n, setting=setting)
+            for strategy in CONFIGS:
+                m = dict(world_size=n, strategy=strategy, setting=setting)
+                peaks = _pooled(measured, 'peak_bytes', **m)
+                if not peaks:
+                    continue
+                floor = _pooled(floors, 'peak_bytes', **m)
+                row[strategy] = dict(
+                    peak_bytes=_median(peaks), peak_range=(min(peaks), max(peaks)),
+                    floor_bytes=_median(floor) if floor else None,
+                    net_peak_bytes=_median(peaks) - (_median(floor) if floor else 0),
+                    peak_rss_bytes=_median(_pooled(measured, 'peak_rss_bytes', **m)),
+                    end_rss_bytes=_median(_pooled(measured, 'end_rss_bytes', **m)),
+                    step_time_s=_pooled(measured, 'step_time_s', **m),
+                    step_cpu_s=_pooled(measured, 'step_cpu_s', **m),
+                    time_ratios=_time_ratios(measured, n, strategy, setting),
+                    cpu_ratios=_time_ratios(measured, n, strategy, setting, 'step_cpu_s'))
+            fsdp, ddp = row.get('FSDP1 FULL_SHARD'), row.get('DDP')
+            if fsdp and ddp:
+                row['peak_ratio'] = fsdp['peak_bytes'] / ddp['peak_bytes']
+                row['net_peak_ratio'] = fsdp['net_peak_bytes'] / ddp['net_peak_bytes']
+            rows.append(row)
+    return rows
+
+
+def _ratio_cell(ratios: List[float]) -> str:
+    if not ratios:
+        return '—'
+    return f'{_median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})'
+
+
+def report(data: Dict[str, Any]) -> str:
+    """Markdown tables of a run: every arm, then ratios and goals per world size."""
+    rows = summarize(data)
+    lines = ['| N | allocator | strategy | peak above baseline MiB | floor MiB | net peak MiB | '
+             'peak RSS MiB | RSS after last step MiB | step s | CPU s per step |',
+             '|---|---|---|---|---|---|---|---|---|---|']
+    for row in rows:
+        for strategy in CONFIGS:
+            arm = row.get(strategy)
+            if arm is None:
+                continue
+            floor = arm['floor_bytes']
+            lines.append(
+                f"| {row['world_size']} | {row['setting']} | {strategy} | "
+                f"{arm['peak_bytes'] / MiB:,.1f} ({arm['peak_range'][0] / MiB:,.1f}–"
+                f"{arm['peak_range'][1] / MiB:,.1f}) | "
+                f"{'—' if floor is None else f'{floor / MiB:,.1f}'} | "
+                f"{arm['net_peak_bytes'] / MiB:,.1f} | {arm['peak_rss_bytes'] / MiB:,.1f} | "
+                f"{arm['end_rss_bytes'] / MiB:,.1f} | {_fmt(arm['step_time_s'], 1, 2)} | "
+                f"{_fmt(arm['step_cpu_s'], 1, 2)} |")
+    lines += ['', '| N | allocator | FSDP / DDP, net peak (goal) | FSDP / DDP, peak above '
+              'baseline | FSDP step time / glibc\'s: wall (goal ≤ 1.10) | FSDP: CPU | '
+              'DDP step time / glibc\'s: wall | DDP: CPU |', '|---|---|---|---|---|---|---|---|']
+    for row in rows:
+        goal = PEAK_GOALS.get(row['world_size'])
+        net = row.get('net_peak_ratio')
+        verdict = ('—' if net is None else f'{net:.3f}' + (
+            f" (≤ {goal}: **{'pass' if net <= goal else 'fail'}**)" if goal else ''))
+        fsdp, ddp = row.get('FSDP1 FULL_SHARD', {}), row.get('DDP', {})
+        glibc_row = row['setting'] == GLIBC
+        cells = [_ratio_cell([] if glibc_row else arm.get(key, []))
+                 for arm in (fsdp, ddp) for key in ('time_ratios', 'cpu_ratios')]
+        if not glibc_row and fsdp.get('time_ratios'):
+            ok = _median(fsdp['time_ratios']) <= TIME_GOAL
+            cells[0] += f" **{'pass' if ok else 'fail'}**"
+        raw = row.get('peak_ratio')
+        lines.append(f"| {row['world_size']} | {row['setting']} | {verdict} | "
+                     f"{'—' if raw is None else f'{raw:.3f}'} | " + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog='python -m benchmarks.allocator',
+                                     description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', default='gpt-100m', choices=sorted(MODELS))
+    parser.add_argument('--world-sizes', type=int, nargs='+', default=[2, 4])
+    parser.add_argument('--rounds', type=int, default=2)
+    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--steps', type=int, default=4)
+    parser.add_argument('--batch-size', type=int, default=2)
+    parser.add_argument('--seq-len', type=int, default=64)
+    parser.add_argument('--arms', nargs='+', default=None,
+                        help='subset of arms as STRATEGY/SETTING, e.g. "DDP/glibc (opt-out)"')
+    parser.add_argument('--setting', action='append', default=[], metavar='LABEL=JSON',
+                        help='an extra allocator setting: LABEL=value of env_cfg.cpu_allocator')
+    parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results',
+                                                      'allocator.json'))
+    args = parser.parse_args(argv)
+    settings = dict(SETTINGS)
+    for item in args.setting:
+        label, value = item.split('=', 1)
+        settings[label] = json.loads(value)
+    arms = [(strategy, label) for strategy in CONFIGS for label in settings]
+    if args.arms is not None:
+        arms = [tuple(a.split('/', 1)) for a in args.arms]
+    from .run import machine
+    data: Dict[str, Any] = dict(
+        command='python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:]),
+        date_utc=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), machine=machine(),
+        results=[])
+    for rnd in range(args.rounds):
+        for n in args.world_sizes:
+            if rnd == 0 and args.model != FLOOR_MODEL:
+                for strategy, setting in arms:  # the floor: what no model adds
+                    print(f'floor N={n} {strategy} / {setting}', file=sys.stderr, flush=True)
+                    result = run_job(strategy, setting, settings[setting], n, FLOOR_MODEL,
+                                     args.batch_size, args.seq_len, args.warmup, args.steps)
+                    result['round'] = 'floor'
+                    data['results'].append(result)
+            order = arms if rnd % 2 == 0 else arms[::-1]
+            for strategy, setting in order:
+                print(f'round {rnd} N={n} {strategy} / {setting}', file=sys.stderr, flush=True)
+                result = run_job(strategy, setting, settings[setting], n, args.model,
+                                 args.batch_size, args.seq_len, args.warmup, args.steps)
+                result['round'] = rnd
+                data['results'].append(result)
+                print(f"  peak {_fmt(result['peak_bytes'])} MiB, step "
+                      f"{_fmt(result['step_time_s'], 1, 2)} s, job {result['wall_s']} s",
+                      file=sys.stderr, flush=True)
+                os.makedirs(os.path.dirname(args.out), exist_ok=True)
+                with open(args.out, 'w') as f:
+                    json.dump(data, f, indent=1)
+    data['date_end_utc'] = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    with open(args.out, 'w') as f:
+        json.dump(data, f, indent=1)
+    print(report(data))
+
+
+if __name__ == '__main__':
+    main()

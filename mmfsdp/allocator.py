@@ -1,0 +1,195 @@
+"""glibc malloc settings for training on the CPU, so that sharding saves resident memory.
+
+On the CPU, torch allocates tensors with glibc's ``malloc``. With glibc's
+defaults, the buffers that FSDP frees every step (gathered units, unsharded
+gradients, reduce-scatter inputs) mostly stay resident: glibc raises its mmap
+threshold to the size of the largest block freed (up to 32 MiB), so later
+blocks of that size come from the heap, whose freed memory is only returned
+when it sits at the top. Measured on gpt-25m at 2 ranks, every FSDP arm then
+peaked above DDP, and the resident set grew from step to step.
+
+This module sets glibc's allocator once per process (``mallopt``), and can
+return freed heap memory after every training iteration (``malloc_trim``).
+What each choice costs is measured in ``docs/benchmarks.md`` ("CPU allocator").
+
+Config (``env_cfg.cpu_allocator``), read by :class:`mmfsdp.FSDPRunner`::
+
+    env_cfg = dict(cpu_allocator='release')   # the default
+    env_cfg = dict(cpu_allocator='glibc')     # opt out: glibc's defaults
+    env_cfg = dict(cpu_allocator=dict(mmap_threshold=1 << 20, trim_interval=0))
+
+The setting applies only when the process trains on the CPU on Linux with
+glibc; elsewhere (CUDA, whose caching allocator owns device memory; musl;
+macOS; Windows) it does nothing.
+"""
+import ctypes
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Union
+
+from mmengine.hooks import Hook
+
+from .compat import enable_cpu_huge_pages
+
+__all__ = ['AllocatorPolicy', 'DEFAULT', 'MallocTrimHook', 'POLICIES', 'active_policy',
+           'apply_policy', 'glibc', 'malloc_trim', 'resolve_cpu_allocator']
+
+KEY = 'env_cfg.cpu_allocator'
+
+# mallopt parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+@dataclass(frozen=True)
+class AllocatorPolicy:
+    """How glibc's malloc is set for a CPU training process.
+
+    Attributes:
+        name: The preset's name, or ``'custom'`` for a dict.
+        mmap_threshold: Blocks at least this large (bytes) are mapped on their
+            own and unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, which
+            also stops glibc from raising the threshold). ``None``: glibc's.
+        trim_threshold: Free memory at the top of the heap above this many
+            bytes is returned to the system (``mallopt(M_TRIM_THRESHOLD)``).
+            ``None``: glibc's.
+        trim_interval: Call ``malloc_trim(0)`` (return every free page of
+            every arena) after every ``trim_interval`` training iterations;
+            ``0``: never.
+        arena_max: At most this many malloc arenas (``mallopt(M_ARENA_MAX)``);
+            threads beyond share them. ``None``: glibc's (8 per core).
+        huge_pages: Back tensors of 2 MiB and more with transparent huge
+            pages (torch's ``THP_MEM_ALLOC_ENABLE``): a block mapped on its own
+            then costs one page fault per 2 MiB instead of per 4 KiB.
+
+    """
+
+    name: str
+    mmap_threshold: Optional[int] = None
+    trim_threshold: Optional[int] = None
+    trim_interval: int = 0
+    arena_max: Optional[int] = None
+    huge_pages: bool = False
+
+    @property
+    def changes_anything(self) -> bool:
+        """Whether applying the policy calls glibc at all."""
+        return (self.mmap_threshold is not None or self.trim_threshold is not None
+                or self.trim_interval > 0 or self.arena_max is not None or self.huge_pages)
+
+
+#: The presets a config can name.
+POLICIES: Dict[str, AllocatorPolicy] = {
+    'glibc': AllocatorPolicy('glibc'),
+    'release': AllocatorPolicy('release', mmap_threshold=1 << 20, huge_pages=True),
+}
+DEFAULT = 'release'
+_FIELDS = ('mmap_threshold', 'trim_threshold', 'trim_interval', 'arena_max', 'huge_pages')
+
+
+def resolve_cpu_allocator(value: Union[str, Mapping[str, Any], None]) -> AllocatorPolicy:
+    """``env_cfg.cpu_allocator`` as a policy; ``None`` (key absent) is the default.
+
+    Raises ``ValueError`` / ``TypeError`` naming the key and the valid values.
+    """
+    if value is None:
+        return POLICIES[DEFAULT]
+    if isinstance(value, str):
+        if value not in POLICIES:
+            raise ValueError(f'{KEY}: {value!r} is not a preset; choose one of '
+                             f'{sorted(POLICIES)} or give dict({", ".join(_FIELDS)})')
+        return POLICIES[value]
+    if not isinstance(value, Mapping):
+        raise TypeError(f'{KEY}: expected a preset name {sorted(POLICIES)} or a dict, '
+                        f'got {value!r}')
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        raise TypeError(f'{KEY}: unknown keys {unknown}; valid keys: {list(_FIELDS)}')
+    fields: Dict[str, Any] = {}
+    for key in _FIELDS:
+        item = value.get(key)
+        if item is None:
+            continue
+        if key == 'huge_pages':
+            if not isinstance(item, bool):
+                raise TypeError(f'{KEY}.{key}: expected True or False, got {item!r}')
+            fields[key] = item
+            continue
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(f'{KEY}.{key}: expected a non-negative integer, got {item!r}')
+        fields[key] = item
+    return AllocatorPolicy('custom', **fields)
+
+
+def glibc() -> Optional[ctypes.CDLL]:
+    """The C library of this process when it is glibc on Linux, else ``None``."""
+    if platform.system() != 'Linux':
+        return None
+    try:
+        os.confstr('CS_GNU_LIBC_VERSION')  # raises ValueError where the libc is not glibc
+    except (ValueError, OSError):
+        return None
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, 'mallopt') and hasattr(libc, 'malloc_trim') else None
+
+
+_active: Optional[AllocatorPolicy] = None
+_huge_pages = False
+
+
+def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[AllocatorPolicy]:
+    """Set glibc's malloc for ``policy`` when training on the CPU; the policy now in force.
+
+    Returns ``None`` (nothing set) off the CPU, without glibc, or for a policy
+    that changes nothing. Raises ``RuntimeError`` if glibc refuses a value.
+    """
+    global _active
+    libc = glibc()
+    if device_type != 'cpu' or libc is None or not policy.changes_anything:
+        _active = None
+        return None
+    for param, value, field in ((_M_MMAP_THRESHOLD, policy.mmap_threshold, 'mmap_threshold'),
+                                (_M_TRIM_THRESHOLD, policy.trim_threshold, 'trim_threshold'),
+                                (_M_ARENA_MAX, policy.arena_max, 'arena_max')):
+        if value is not None and libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
+            raise RuntimeError(f'{KEY}.{field}: glibc refused {value} (mallopt returned 0); '
+                               'glibc caps the mmap threshold at 32 MiB on 64-bit systems')
+    global _huge_pages
+    _huge_pages = policy.huge_pages and enable_cpu_huge_pages()
+    _active = policy
+    return policy
+
+
+def active_policy() -> Optional[Dict[str, Any]]:
+    """The policy this process applied, as a dict (``None`` if none), for logs and probes."""
+    if _active is None:
+        return None
+    return dict(name=_active.name, mmap_threshold=_active.mmap_threshold,
+                trim_threshold=_active.trim_threshold, trim_interval=_active.trim_interval,
+                arena_max=_active.arena_max, huge_pages=_active.huge_pages,
+                huge_pages_in_effect=_huge_pages)
+
+
+def malloc_trim() -> bool:
+    """Return every free page of every glibc arena to the system; whether any was returned."""
+    libc = glibc()
+    return bool(libc is not None and libc.malloc_trim(ctypes.c_size_t(0)))
+
+
+class MallocTrimHook(Hook):
+    """``malloc_trim(0)`` after every ``interval`` training iterations (CPU, glibc).
+
+    Registered by :class:`mmfsdp.FSDPRunner` when ``env_cfg.cpu_allocator``
+    has a ``trim_interval``.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None:
+        """Trim after every ``interval``-th iteration."""
+        if self.every_n_train_iters(runner, self.interval):
+            malloc_trim()

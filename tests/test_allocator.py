@@ -1,0 +1,112 @@
+"""``env_cfg.cpu_allocator``: glibc's malloc set by the runner, on CPU, in documented launches.
+
+The resolver is checked in-process; the effect in real jobs started with
+``tools/dist_train.sh`` (2 CPU processes, gloo), whose config imports
+``tests/allocator_check.py``: by default a freed 8 MiB tensor is mapped on its
+own and goes back to the system; with ``cpu_allocator='glibc'`` glibc's own
+rules keep it in the heap.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from harness import free_port
+from mmfsdp.allocator import (
+    DEFAULT,
+    POLICIES,
+    AllocatorPolicy,
+    apply_policy,
+    glibc,
+    resolve_cpu_allocator,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+MiB = 1 << 20
+JOB_TIMEOUT_S = 240
+
+needs_glibc = pytest.mark.skipif(glibc() is None, reason='needs Linux with glibc')
+
+
+def test_default_is_the_release_preset():
+    assert resolve_cpu_allocator(None) is POLICIES[DEFAULT]
+    assert POLICIES[DEFAULT].mmap_threshold == 1 * MiB
+
+
+def test_opt_out_changes_nothing():
+    policy = resolve_cpu_allocator('glibc')
+    assert not policy.changes_anything
+    assert apply_policy(policy, 'cpu') is None
+
+
+def test_custom_values_are_resolved():
+    policy = resolve_cpu_allocator(dict(mmap_threshold=4 * MiB, trim_interval=10))
+    assert policy == AllocatorPolicy('custom', mmap_threshold=4 * MiB, trim_interval=10)
+
+
+@pytest.mark.parametrize('value, error, words', [
+    ('fast', ValueError, ["env_cfg.cpu_allocator: 'fast'", "'glibc'", "'release'"]),
+    (1, TypeError, ['env_cfg.cpu_allocator', 'a preset name']),
+    (dict(mmap=1), TypeError, ["unknown keys ['mmap']", 'mmap_threshold']),
+    (dict(trim_interval=-1), ValueError, ['env_cfg.cpu_allocator.trim_interval', '-1']),
+    (dict(mmap_threshold=True), ValueError, ['env_cfg.cpu_allocator.mmap_threshold']),
+])
+def test_bad_values_name_the_key(value, error, words):
+    with pytest.raises(error) as info:
+        resolve_cpu_allocator(value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_accelerators_are_left_alone():
+    """On CUDA the caching allocator owns device memory: nothing is set."""
+    assert apply_policy(POLICIES['release'], 'cuda') is None
+
+
+def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> List[dict]:
+    """``bash tools/dist_train.sh`` on 2 processes, the check hook added; each rank's findings."""
+    out_dir = tmp_path / name
+    config = tmp_path / f'{name}.py'
+    config.write_text('\n'.join([
+        f"_base_ = [{str(REPO / 'configs' / 'gpt-nano_fsdp_2xcpu.py')!r}]",
+        "custom_imports = dict(imports=['allocator_check'], allow_failed_imports=False)",
+        f"custom_hooks = [dict(type='AllocatorCheckHook', out_dir={str(out_dir)!r})]",
+        'train_cfg = dict(max_iters=1, val_interval=2)',
+        'default_hooks = dict(checkpoint=dict(save_last=False))', '']))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith('MALLOC_') and k not in ('GLIBC_TUNABLES', 'THP_MEM_ALLOC_ENABLE')
+           and k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE',
+                         'MASTER_ADDR', 'MASTER_PORT')}
+    env.update(PYTHON=sys.executable, PORT=str(free_port()), OMP_NUM_THREADS='1',
+               PYTHONPATH=str(TESTS))
+    cmd = ['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
+           str(tmp_path / f'work-{name}'), *cfg_options]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s; output:\n{out[-6000:]}')
+    assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}:\n{out[-6000:]}'
+    return [json.loads((out_dir / f'rank{r}.json').read_text()) for r in range(2)]
+
+
+@needs_glibc
+def test_documented_launch_returns_freed_blocks_and_opt_out_keeps_glibc(tmp_path):
+    default = _dist_train(tmp_path, 'default')
+    opt_out = _dist_train(tmp_path, 'glibc', '--cfg-options', 'env_cfg.cpu_allocator=glibc')
+    for rank, seen in enumerate(default):
+        assert seen['policy'] is not None and seen['policy']['name'] == DEFAULT, seen
+        assert seen['mapped'] >= 8 * MiB, f'rank {rank}: 8 MiB block not mapped: {seen}'
+        assert seen['returned'] >= 7 * MiB, f'rank {rank}: freed block stayed resident: {seen}'
+    for rank, seen in enumerate(opt_out):
+        assert seen['policy'] is None, seen
+        assert seen['mapped'] == 0, f'rank {rank}: glibc mapped the block itself: {seen}'
