@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 from .launch import REPO
 from .workload import MODELS
 
-__all__ = ['ARMS', 'main', 'run_job']
+__all__ = ['ARMS', 'RESULTS', 'load', 'main', 'report', 'run_job', 'section_lines', 'summarize']
 
 #: Strategy label -> the documented config it inherits.
 CONFIGS = {'DDP': 'configs/gpt-nano_ddp_2xcpu.py',
@@ -42,6 +42,8 @@ SETTINGS: Dict[str, Any] = {'mmfsdp default': None, 'glibc (opt-out)': 'glibc'}
 GLIBC = 'glibc (opt-out)'
 ARMS = [(strategy, setting) for strategy in CONFIGS for setting in SETTINGS]
 MiB = 1 << 20
+#: Where ``main`` writes by default and :mod:`benchmarks.report` reads the section from.
+RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'allocator.json')
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
 
@@ -237,6 +239,53 @@ def report(data: Dict[str, Any]) -> str:
     return '\n'.join(lines)
 
 
+def load(path: str = RESULTS) -> Dict[str, Any]:
+    """The recorded run (empty when the file is absent)."""
+    if not os.path.exists(path):
+        return dict(results=[])
+    with open(path) as f:
+        return json.load(f)
+
+
+def section_lines(data: Dict[str, Any]) -> List[str]:
+    """The "CPU allocator" section of ``docs/benchmarks.md`` (nothing without results)."""
+    results = data.get('results', [])
+    if not results:
+        return []
+    measured = [r for r in results if r['round'] != 'floor']
+    r0, m = measured[0], data['machine']
+    loads = [r['load_before'] for r in results]
+    rounds = len({r['round'] for r in measured})
+    lines = [
+        '## CPU allocator: the saving with the documented launch', '',
+        f"`{data['command']}` ({data['date_utc']} – {data.get('date_end_utc', 'unfinished')}, "
+        f"commit {m['commit']}, {m['cpu']}, {m['cores']} cores). Every job is started as the "
+        'README says, `bash tools/dist_train.sh CONFIG N --work-dir DIR`, with no `MALLOC_*` / '
+        '`GLIBC_TUNABLES` variable in its environment; CONFIG inherits '
+        '`configs/gpt-nano_{fsdp,ddp}_2xcpu.py` and only resizes the model '
+        f"({r0['model']}: 14 layers, width 768; batch {r0['batch_size']} × {r0['seq_len']} "
+        'tokens per rank, AdamW), turns checkpoints and validation off, and imports a probe hook '
+        '(`benchmarks/alloc_probe.py`). The two settings: **mmfsdp default** (no key: '
+        "`env_cfg.cpu_allocator='release'`) and **glibc (opt-out)** "
+        "(`env_cfg.cpu_allocator='glibc'`: glibc's own defaults, what every run got before).", '',
+        f"Peak: the kernel's high-water mark of each rank's resident set during one training "
+        f"iteration (reset at its start) minus the resident set when the config was loaded "
+        f"(imports done, nothing built); the worst rank; {r0['steps']} measured iterations after "
+        f"{r0['warmup']} warm-up, in {rounds} separate jobs per arm. That baseline leaves in "
+        'what every job holds whatever its model (runner scaffolding, lazily imported modules, '
+        'gloo buffers): **floor** is the same measurement with the 0.1M-parameter gpt-tiny, '
+        'same launch, arm and N, and **net peak** = peak − floor, the quantity of section 2 '
+        '(whose suite pays the same costs in a warm-up step before its baseline). '
+        'CPU s: user + system CPU time of the rank process (all threads) per iteration.', '',
+        f'Arms ran round-robin (order reversed every round); step-time ratios are per round, '
+        f'same N and strategy. **Load**: this machine was shared with five other sessions '
+        f'running test suites; the 1-minute load average before the jobs was '
+        f'{min(loads):.1f}–{max(loads):.1f} on 2 cores, so a wall-clock step mostly measures '
+        'the scheduler; the CPU time per step is the steadier figure.', '']
+    lines += report(data).split('\n')
+    return lines + ['']
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog='python -m benchmarks.allocator',
@@ -252,8 +301,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help='subset of arms as STRATEGY/SETTING, e.g. "DDP/glibc (opt-out)"')
     parser.add_argument('--setting', action='append', default=[], metavar='LABEL=JSON',
                         help='an extra allocator setting: LABEL=value of env_cfg.cpu_allocator')
-    parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results',
-                                                      'allocator.json'))
+    parser.add_argument('--out', default=RESULTS)
     args = parser.parse_args(argv)
     settings = dict(SETTINGS)
     for item in args.setting:

@@ -33,7 +33,7 @@ from mmengine.hooks import Hook
 from .compat import enable_cpu_huge_pages
 
 __all__ = ['AllocatorPolicy', 'DEFAULT', 'MallocTrimHook', 'POLICIES', 'active_policy',
-           'apply_policy', 'glibc', 'malloc_trim', 'resolve_cpu_allocator']
+           'apply_policy', 'describe_active', 'glibc', 'malloc_trim', 'resolve_cpu_allocator']
 
 KEY = 'env_cfg.cpu_allocator'
 
@@ -170,6 +170,22 @@ def active_policy() -> Optional[Dict[str, Any]]:
                 trim_threshold=_active.trim_threshold, trim_interval=_active.trim_interval,
                 arena_max=_active.arena_max, huge_pages=_active.huge_pages,
                 huge_pages_in_effect=_huge_pages)
+
+
+def describe_active() -> Optional[str]:
+    """One log line for the policy in force (``None`` if none), with a warning's worth of why."""
+    if _active is None:
+        return None
+    parts = [f'{key}={value}' for key, value in (
+        ('mmap_threshold', _active.mmap_threshold), ('trim_threshold', _active.trim_threshold),
+        ('arena_max', _active.arena_max)) if value is not None]
+    if _active.trim_interval:
+        parts.append(f'malloc_trim every {_active.trim_interval} iterations')
+    if _active.huge_pages:
+        parts.append('huge pages' if _huge_pages else
+                     'huge pages NOT in effect: torch allocated CPU memory before the runner '
+                     'started (set THP_MEM_ALLOC_ENABLE=1 in the environment instead)')
+    return f"{KEY}: {_active.name!r} ({', '.join(parts)})"
 
 
 def malloc_trim() -> bool:

@@ -1,6 +1,7 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import atexit
 import contextlib
+import logging
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch.distributed as dist
@@ -15,7 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
-from .allocator import MallocTrimHook, apply_policy, resolve_cpu_allocator
+from .allocator import (
+    MallocTrimHook,
+    active_policy,
+    apply_policy,
+    describe_active,
+    resolve_cpu_allocator,
+)
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
@@ -149,6 +156,11 @@ class FSDPRunner(CheckpointMixin, Runner):
     def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
         """The stock hooks, plus ``malloc_trim`` after training iterations if configured."""
         super().register_hooks(default_hooks, custom_hooks)
+        described = describe_active()
+        if described is not None:
+            active = active_policy() or {}
+            missing = active.get('huge_pages') and not active.get('huge_pages_in_effect')
+            self.logger.log(logging.WARNING if missing else logging.INFO, described)
         if self._cpu_allocator is not None and self._cpu_allocator.trim_interval:
             self.register_hook(MallocTrimHook(self._cpu_allocator.trim_interval), 'LOW')
 
