@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -69,8 +69,8 @@ def test_accelerators_are_left_alone():
     assert apply_policy(POLICIES['release'], 'cuda') is None
 
 
-def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> List[dict]:
-    """``bash tools/dist_train.sh`` on 2 processes, the check hook added; each rank's findings."""
+def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> Tuple[List[dict], str]:
+    """``bash tools/dist_train.sh`` on 2 processes, the check hook added; findings and log."""
     out_dir = tmp_path / name
     config = tmp_path / f'{name}.py'
     config.write_text('\n'.join([
@@ -96,13 +96,16 @@ def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> List[dict]:
         out, _ = proc.communicate()
         pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s; output:\n{out[-6000:]}')
     assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}:\n{out[-6000:]}'
-    return [json.loads((out_dir / f'rank{r}.json').read_text()) for r in range(2)]
+    return [json.loads((out_dir / f'rank{r}.json').read_text()) for r in range(2)], out
 
 
 @needs_glibc
 def test_documented_launch_returns_freed_blocks_and_opt_out_keeps_glibc(tmp_path):
-    default = _dist_train(tmp_path, 'default')
-    opt_out = _dist_train(tmp_path, 'glibc', '--cfg-options', 'env_cfg.cpu_allocator=glibc')
+    default, log = _dist_train(tmp_path, 'default')
+    opt_out, opt_out_log = _dist_train(tmp_path, 'glibc', '--cfg-options',
+                                       'env_cfg.cpu_allocator=glibc')
+    assert "env_cfg.cpu_allocator: 'release' (mmap_threshold=1048576, huge pages)" in log
+    assert 'env_cfg.cpu_allocator' not in opt_out_log
     for rank, seen in enumerate(default):
         assert seen['policy'] is not None and seen['policy']['name'] == DEFAULT, seen
         assert seen['mapped'] >= 8 * MiB, f'rank {rank}: 8 MiB block not mapped: {seen}'
