@@ -169,7 +169,10 @@ def method(res: Any) -> List[str]:
         'freed, so the resident set follows live tensors. By default glibc raises that '
         'threshold up to 32 MiB after the first large free, and freed heap memory often stays '
         'resident: the peak of a step would then depend on what earlier phases '
-        '(construction, the first step) left in the heap. Timing jobs use the default.',
+        '(construction, the first step) left in the heap. Timing jobs use the default.'
+        ' Since then `FSDPRunner` sets the same threshold itself, plus huge pages, in every '
+        'process that trains on the CPU (`env_cfg.cpu_allocator`, section "CPU allocator"), '
+        'timing jobs included; the figures of sections 1–7 were measured before that change.',
         '- **Warm-up**: before its baseline, every memory and construction job trains the '
         'tiny GPT for one step under the same wrapper, so that what does not depend on the '
         "model is already resident: modules mmengine and torch import lazily (the runner's "

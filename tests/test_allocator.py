@@ -113,3 +113,29 @@ def test_documented_launch_returns_freed_blocks_and_opt_out_keeps_glibc(tmp_path
     for rank, seen in enumerate(opt_out):
         assert seen['policy'] is None, seen
         assert seen['mapped'] == 0, f'rank {rank}: glibc mapped the block itself: {seen}'
+
+
+@needs_glibc
+def test_torch_honours_thp_mem_alloc_enable_set_before_its_first_allocation():
+    """The private torch behaviour behind ``huge_pages`` (``mmfsdp.compat.enable_cpu_huge_pages``).
+
+    c10 reads ``THP_MEM_ALLOC_ENABLE`` at the first CPU allocation; set after
+    ``import torch`` but before any tensor, it must take effect (page-aligned
+    tensors of 2 MiB and more); set after a tensor exists, it must not.
+    """
+    code = ('import os, torch\n'
+            'from mmfsdp.compat import enable_cpu_huge_pages\n'
+            'late = os.environ.get("LATE") == "1"\n'
+            'x = torch.empty(3 << 20, dtype=torch.uint8) if late else None\n'
+            'print(enable_cpu_huge_pages())\n')
+    env = {k: v for k, v in os.environ.items() if k != 'THP_MEM_ALLOC_ENABLE'}
+    env['PYTHONPATH'] = os.pathsep.join([str(REPO), env.get('PYTHONPATH', '')])
+    seen = {}
+    for late in ('0', '1'):
+        out = subprocess.run([sys.executable, '-c', code], env=dict(env, LATE=late),
+                             capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen[late] = out.stdout.split()[-1]
+    assert seen == {'0': 'True', '1': 'False'}, (
+        'torch no longer reads THP_MEM_ALLOC_ENABLE at its first CPU allocation '
+        f'(c10/core/alloc_cpu.cpp): {seen}; see mmfsdp.compat.enable_cpu_huge_pages')
