@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .options import wrapper_options
+from .protocol import is_parallel_wrapper
 from .together import control_group
 
 __all__ = ['FIELDS', 'RankDisagreement', 'check_ranks_agree', 'fingerprint']
@@ -55,11 +57,9 @@ def fingerprint(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[str, A
                 world_size: int) -> Dict[str, List[str]]:
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
     from . import __version__
-    describe = getattr(wrapper_cls, 'sharding_spec', None)
     spec = None
-    if describe is not None:
-        spec = describe({k: v for k, v in wrapper_cfg.items() if k != 'type'}, model,
-                        world_size)
+    if is_parallel_wrapper(wrapper_cls):
+        spec = wrapper_cls.sharding_spec(wrapper_options(wrapper_cfg), model, world_size)
     return {
         'versions': [f'mmfsdp {__version__}', f'torch {torch.__version__}',
                      f'mmengine {mmengine.__version__}',

@@ -26,6 +26,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .dist import current_device
 from .options import check_keys, resolve_dtype
+from .protocol import ModelBinding
 from .registry import OPTIM_WRAPPERS
 
 __all__ = ['AmpOptimWrapper', 'replace_stock_amp']
@@ -34,7 +35,7 @@ _SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interva
 
 
 @OPTIM_WRAPPERS.register_module()
-class AmpOptimWrapper(MMEngineAmpOptimWrapper):
+class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
     """mmengine's ``AmpOptimWrapper`` (same arguments), on CPU and accelerators.
 
     Args:

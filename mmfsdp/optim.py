@@ -15,27 +15,19 @@ this rank's shard, and a rank without local gradients skips it.
 parameters by their norm over all ranks (:mod:`mmfsdp.clip`).
 """
 import functools
-from typing import Dict, Iterator, Union
+from typing import Dict
 
 import torch
-from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.optim import OptimWrapper
 from torch import nn
 
 from .clip import clip_grads_by_global_norm
 from .names import unwrapped_named_parameters
+from .optim_wrappers import AnyOptimWrapper, optim_wrappers
+from .protocol import ModelBinding
 
 __all__ = ['bind_optim_wrappers', 'clip_by_global_norm',
            'retarget_parameters']
-
-AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
-
-
-def _optim_wrappers(optim_wrapper: AnyOptimWrapper) -> Iterator[OptimWrapper]:
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        yield from optim_wrapper.optim_wrappers.values()
-    else:
-        yield optim_wrapper
-
 
 def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
                         wrapped: nn.Module) -> None:
@@ -48,7 +40,7 @@ def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
 
     """
     by_name = dict(unwrapped_named_parameters(wrapped))
-    for wrapper in _optim_wrappers(optim_wrapper):
+    for wrapper in optim_wrappers(optim_wrapper):
         optimizer = wrapper.optimizer
         if optimizer.state:
             raise RuntimeError('cannot move an optimizer that has state to the wrapped model; '
@@ -62,11 +54,10 @@ def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
 
 
 def bind_optim_wrappers(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
-    """Tell each optim wrapper that has ``bind_model`` (e.g. AMP) which model it steps."""
-    for wrapper in _optim_wrappers(optim_wrapper):
-        bind = getattr(wrapper, 'bind_model', None)
-        if callable(bind):
-            bind(model)
+    """Tell each optim wrapper that is a :class:`~mmfsdp.protocol.ModelBinding` (AMP) its model."""
+    for wrapper in optim_wrappers(optim_wrapper):
+        if isinstance(wrapper, ModelBinding):
+            wrapper.bind_model(model)
 
 
 def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
@@ -75,7 +66,7 @@ def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
     See :mod:`mmfsdp.clip`. Value clipping (``type='value'``) is elementwise
     and stays as mmengine does it.
     """
-    for wrapper in _optim_wrappers(optim_wrapper):
+    for wrapper in optim_wrappers(optim_wrapper):
         if getattr(wrapper, 'clip_func', None) is not torch.nn.utils.clip_grad_norm_:
             continue
         unsupported = set(wrapper.clip_grad_kwargs) - {'max_norm', 'norm_type'}

@@ -1,17 +1,13 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
-import atexit
 import contextlib
 import logging
 from typing import Any, Dict, Mapping, Optional, Union
 
-import torch.distributed as dist
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
-from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -27,8 +23,14 @@ from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
-from .dist import current_device, init_distributed, set_current_device
+from .dist import (
+    atexit_destroy_process_group,
+    current_device,
+    init_distributed,
+    set_current_device,
+)
 from .ema import configures_ema
+from .lifecycle import WrapPreconditions
 from .meta_init import (
     WriteTracker,
     agree_on_unwritten,
@@ -39,8 +41,10 @@ from .meta_init import (
     wants_meta_init,
 )
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
+from .optim_wrappers import is_built
 from .options import wrapper_options
 from .plan import format_plan, plan_for, plan_warnings
+from .protocol import is_parallel_wrapper
 from .registry import RUNNERS
 from .scope import without_collate_scope
 from .startup import check_launcher
@@ -53,17 +57,6 @@ __all__ = ['FSDPRunner']
 
 #: Used when ``model_wrapper_cfg`` is not set, as mmengine uses its DDP.
 DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
-
-
-def _destroy_process_group() -> None:
-    """Tear down the group a runner started, before the interpreter's own teardown.
-
-    Left alive, gloo's threads and sockets are destroyed in no particular order
-    at exit, which sometimes aborts a finished job ("terminate called without an
-    active exception"). Runs at exit, after a normal end or an exception.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @RUNNERS.register_module()
@@ -99,6 +92,8 @@ class FSDPRunner(CheckpointMixin, Runner):
       training, and ``paramwise_cfg`` sees real shapes, names and layer types;
       the optimizer is then pointed at the wrapped parameters
       (:mod:`mmfsdp.optim`). ``val()`` and ``test()`` wrap at the same point.
+      Reaching it in ``train()`` before the optimizer is built or the weights
+      are initialised is an error (:mod:`mmfsdp.lifecycle`).
     - **Clipping**: each optim wrapper clips its own optimizer's parameters
       by their gradient norm over all shards (every rank joins, gradients or
       not), logged as ``grad_norm``.
@@ -145,10 +140,11 @@ class FSDPRunner(CheckpointMixin, Runner):
         # the setting decides where their memory comes from.
         self._cpu_allocator = apply_policy(resolve_cpu_allocator(env_cfg.get('cpu_allocator')),
                                            current_device().type)
+        self._preconditions = WrapPreconditions()
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
                              offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
-            atexit.register(_destroy_process_group)
+            atexit_destroy_process_group()
         elif self.distributed:
             set_current_device()  # a group started by the caller: still train on LOCAL_RANK's
         super().setup_env(env_cfg)
@@ -240,27 +236,29 @@ class FSDPRunner(CheckpointMixin, Runner):
         check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
 
     def _stages_on_cpu(self, model: nn.Module) -> bool:
-        """Whether the model stays on the CPU until FSDP1 moves it unit by unit.
+        """Whether the model stays on the CPU until the wrapper moves it unit by unit.
 
-        On an accelerator only: FSDP1's broadcast (``sync_module_states``)
-        takes device tensors; on the CPU the stock broadcast serves. Not for a
-        model with its own steps (FSDP1 wraps its children separately).
+        As the wrapper says (:meth:`mmfsdp.protocol.ParallelWrapper.stages_on_cpu`);
+        not for a model with its own steps (FSDP1 wraps its children separately).
         """
-        return (issubclass(self._wrapper_cls, FullyShardedDataParallel)
-                and current_device().type != 'cpu'
-                and self._wrapper_cfg.get('sync_module_states') is not False
+        return (is_parallel_wrapper(self._wrapper_cls)
+                and self._wrapper_cls.stages_on_cpu(self._wrapper_cfg, current_device())
                 and not own_steps(model))
+
+    def train(self) -> nn.Module:
+        """The stock ``train()``, its wrapping preconditions checked (:mod:`mmfsdp.lifecycle`)."""
+        with self._preconditions.phase('train'):
+            return super().train()
 
     def _init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
-        if self._meta_init:
-            return
-        if self._staged:
+        if self._staged and not self._meta_init:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
-                model.init_weights()  # FSDP1 broadcasts rank 0's weights unit by unit
-            return
-        super()._init_model_weights()
+                model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
+        elif not self._meta_init:
+            super()._init_model_weights()
+        self._preconditions.weights_ready()
 
     def load_or_resume(self) -> None:
         """Wrap the model, whose weights are now initialised, then load or resume.
@@ -279,6 +277,7 @@ class FSDPRunner(CheckpointMixin, Runner):
     def _wrap(self) -> None:
         if not self.distributed:
             return
+        self._preconditions.check(self.optim_wrapper)
         if is_model_wrapper(self.model):
             self._bind_optim_wrapper()  # wrapped before the optim wrapper existed (meta init)
             return
@@ -296,13 +295,13 @@ class FSDPRunner(CheckpointMixin, Runner):
         if self._staged and not self._meta_init:
             default_args['sync_module_states'] = True
         self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
-        if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
+        if is_built(self.optim_wrapper):
             retarget_parameters(self.optim_wrapper, names, self.model)
         self._bind_optim_wrapper()
 
     def _log_sharding_plan(self, model: nn.Module) -> None:
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
-        if not is_main_process() or not hasattr(self._wrapper_cls, 'sharding_spec'):
+        if not is_main_process() or not is_parallel_wrapper(self._wrapper_cls):
             return
         optimizer = (self.cfg.get('optim_wrapper') or {}).get('optimizer')
         plan = plan_for(self._wrapper_cls, self._wrapper_cfg, model, self.world_size,
@@ -314,7 +313,7 @@ class FSDPRunner(CheckpointMixin, Runner):
 
     def _bind_optim_wrapper(self) -> None:
         """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""
-        if isinstance(self.optim_wrapper, (OptimWrapper, OptimWrapperDict)):
+        if is_built(self.optim_wrapper):
             if is_sharded(self.model):
                 clip_by_global_norm(self.optim_wrapper, self.model)
             bind_optim_wrappers(self.optim_wrapper, self.model)

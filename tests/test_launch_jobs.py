@@ -124,8 +124,8 @@ while args and args[0].startswith('-'):
 ntasks = int(options['--ntasks'])
 per_node = int(options.get('--ntasks-per-node', ntasks))
 full, rest = divmod(ntasks, per_node)
-tasks_per_node = ','.join(([f'{{per_node}}(x{{full}})' if full > 1 else str(per_node)] if full else [])
-                          + ([str(rest)] if rest else []))
+first = [f'{{per_node}}(x{{full}})' if full > 1 else str(per_node)] if full else []
+tasks_per_node = ','.join(first + ([str(rest)] if rest else []))
 with open(os.environ['FAKE_SRUN_RECORD'], 'w') as f:
     json.dump(dict(options=options, command=args), f)
 if os.environ.get('FAKE_SRUN_DRY_RUN'):

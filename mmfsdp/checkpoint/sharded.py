@@ -28,16 +28,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..optim_wrappers import AnyOptimWrapper, named_optim_wrappers
 from ..together import fail_together
 from .durable import TMP_SUFFIX, remove_stale_temporaries
 from .matching import KeyMatch, match_keys
 from .safe_io import load_file, replace_path, save_atomically
 from .state import (
-    AnyOptimWrapper,
     _options,
     load_optimizer_extras,
     load_param_groups,
-    named_optim_wrappers,
     optimizer_template,
     sharded_state,
 )

@@ -12,10 +12,10 @@ this optimizer's parameters in order, which holds when the optimizer is built
 by the same config.
 """
 import enum
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,14 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..dist import current_device
 from ..names import unwrapped_param_names
+from ..optim_wrappers import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 
 __all__ = ['StateDictType', 'full_state_on_rank0', 'gather_full_state', 'load_full_model_state',
            'load_full_optimizer_state', 'load_optimizer_extras', 'load_param_groups',
-           'named_optim_wrappers', 'optimizer_extras', 'optimizer_state', 'optimizer_template',
+           'optimizer_extras', 'optimizer_state', 'optimizer_template',
            'resolve_state_dict_type', 'sharded_state']
-
-AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
 
 #: Keys of an optimizer state that torch's optimizer owns; the rest (e.g. a
 #: loss scaler) belongs to mmengine's optim wrapper.
@@ -72,15 +71,6 @@ def _options(model: nn.Module, full: bool, strict: bool = True) -> StateDictOpti
     return StateDictOptions(full_state_dict=full,
                             cpu_offload=full and full_state_on_rank0(current_device()),
                             strict=strict)
-
-
-def named_optim_wrappers(
-        optim_wrapper: AnyOptimWrapper) -> Iterator[Tuple[Optional[str], OptimWrapper]]:
-    """``(None, wrapper)`` for one optim wrapper, ``(name, wrapper)`` for each of a dict."""
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        yield from optim_wrapper.optim_wrappers.items()
-    else:
-        yield None, optim_wrapper
 
 
 def _per_wrapper(optim_wrapper: AnyOptimWrapper, fn) -> Any:

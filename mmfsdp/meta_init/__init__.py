@@ -14,6 +14,7 @@ sharding (each rank allocates its shards), FSDP1 on the CPU before wrapping
 """
 from typing import Any, Mapping
 
+from ..protocol import is_parallel_wrapper
 from .build import RECORD_LIMIT_BYTES, build_on_meta, empty_weights, recorded
 from .materialize import materialize, set_preprocessor_device
 from .pretrained import (
@@ -39,5 +40,5 @@ __all__ = ['RECORD_LIMIT_BYTES', 'SHARD_SAFE_INIT_TYPES', 'Unwritten', 'Unwritte
 
 def wants_meta_init(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> bool:
     """Whether the wrapper config asks for the model to be built on the meta device."""
-    return (getattr(wrapper_cls, 'supports_meta_init', False)
+    return (is_parallel_wrapper(wrapper_cls) and wrapper_cls.supports_meta_init
             and wrapper_cfg.get('init_device') == 'meta')

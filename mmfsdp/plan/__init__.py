@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 
 from ..options import wrapper_options
+from ..protocol import is_parallel_wrapper
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
 from .spec import Construction, Padding, ShardingSpec
@@ -26,11 +27,10 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     Raises ``TypeError`` if the wrapper cannot describe its sharding (only
     mmfsdp's wrappers can).
     """
-    describe = getattr(wrapper_cls, 'sharding_spec', None)
-    if describe is None:
+    if not is_parallel_wrapper(wrapper_cls):
         raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
                         "mmfsdp's wrappers")
     options = wrapper_options(wrapper_cfg)
-    spec = describe(options, model, world_size)
+    spec = wrapper_cls.sharding_spec(options, model, world_size)
     return make_plan(model, spec, world_size,
                      optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema)

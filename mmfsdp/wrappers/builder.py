@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..options import check_keys, suggest, wrapper_options
+from ..protocol import is_parallel_wrapper
 from ..registry import MODEL_WRAPPERS
 
 __all__ = ['check_wrapper_config', 'offloads_to_cpu', 'registered_wrapper_names',
@@ -74,9 +75,8 @@ def check_wrapper_config(cls: type, cfg: Mapping[str, Any],
     checked too.
     """
     options = wrapper_options(cfg)
-    check_config = getattr(cls, 'check_config', None)
-    if check_config is not None:
-        check_config(options, module)
+    if is_parallel_wrapper(cls):
+        cls.check_config(options, module)
         return
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -87,7 +87,7 @@ def check_wrapper_config(cls: type, cfg: Mapping[str, Any],
 def offloads_to_cpu(cls: type, cfg: Mapping[str, Any]) -> bool:
     """Whether the wrapper ``cls`` with ``cfg`` keeps parameters on the CPU while training.
 
-    Wrappers tell through an ``offloads_to_cpu(options)`` classmethod; others never offload.
+    mmfsdp's wrappers tell (:meth:`~mmfsdp.protocol.ParallelWrapper.offloads_to_cpu`);
+    others never offload.
     """
-    check = getattr(cls, 'offloads_to_cpu', None)
-    return bool(check({k: v for k, v in cfg.items() if k != 'type'})) if check else False
+    return is_parallel_wrapper(cls) and bool(cls.offloads_to_cpu(wrapper_options(cfg)))

@@ -3,11 +3,14 @@ import contextlib
 import inspect
 from typing import Any, Iterator, List, Mapping, Optional
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..clip import clip_grads_by_global_norm
 from ..options import check_keys
 from ..plan.spec import Padding, ShardingSpec
+from ..protocol import ParallelWrapper
 from ..registry import MODEL_WRAPPERS
 from .steps import DataParallelSteps, own_steps
 
@@ -15,7 +18,7 @@ __all__ = ['MMDistributedDataParallel']
 
 
 @MODEL_WRAPPERS.register_module()
-class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
+class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, ParallelWrapper):
     """Distributed data parallel with mmengine's step interface, CPU included.
 
     Works under :class:`mmfsdp.FSDPRunner` and under mmengine's stock Runner,
@@ -94,6 +97,11 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel):
             return
         with super().no_sync():
             yield
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their norm (replicated: the local norm is the global one)."""
+        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
 
     @classmethod
     def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:

@@ -1,123 +1,28 @@
 """``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
-import functools
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ..activation_checkpointing import (
-    apply_activation_checkpointing_to,
-    resolve_activation_checkpointing,
-)
-from ..dist import current_device, local_world_size
+from ..activation_checkpointing import apply_activation_checkpointing_to
+from ..dist import current_device
 from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
-from ..options import (
-    check_keys,
-    resolve_backward_prefetch,
-    resolve_cpu_offload,
-    resolve_flag,
-    resolve_init_device,
-    resolve_mixed_precision,
-    resolve_sharding_strategy,
-)
-from ..plan.spec import Construction, Padding, ShardingSpec
-from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
+from ..plan.spec import ShardingSpec
+from ..protocol import ParallelWrapper
 from ..registry import MODEL_WRAPPERS
+from .config import FSDPConfig
 from .guard import reject_stock_runner
-from .mesh import build_hybrid_mesh, node_mesh_sizes
-from .separate import MMSeparateFullyShardedDataParallel, separate_roots
+from .mesh import build_hybrid_mesh
+from .separate import MMSeparateFullyShardedDataParallel
+from .specs import fsdp1_spec
 from .steps import DataParallelSteps, own_steps
 
 __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
 
 
-@dataclass(frozen=True)
-class FSDPConfig:
-    """The configuration of :class:`MMFullyShardedDataParallel`, resolved.
-
-    :meth:`from_dict` turns the user's strings into these typed values; the
-    two model-dependent options stay as written until :meth:`for_model`
-    checks them against the model.
-    """
-
-    #: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD, HYBRID_SHARD, ...
-    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    #: Which submodules become their own unit (see :mod:`mmfsdp.policies`).
-    auto_wrap_policy: PolicyConfig = None
-    #: When to fetch the next unit's parameters in backward.
-    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
-    #: Compute / reduce / buffer dtypes; ``None`` trains in the parameters' dtype.
-    mixed_precision: Optional[MixedPrecision] = None
-    #: Keep sharded parameters and gradients on the CPU.
-    cpu_offload: CPUOffload = field(default_factory=CPUOffload)
-    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
-    activation_checkpointing: Optional[Mapping[str, Any]] = None
-    #: Fetch the next unit's parameters during forward, ahead of its use.
-    forward_prefetch: bool = False
-    #: Bound the number of all-gathers in flight (caps memory on accelerators).
-    limit_all_gathers: bool = True
-    #: Broadcast rank 0's weights at construction, unit by unit on the device.
-    #: FSDPRunner turns it on where it keeps the model on the CPU until wrapping.
-    sync_module_states: bool = False
-    #: ``'meta'``: build on the meta device; the model is materialised and
-    #: initialised on the CPU, then moved to the device unit by unit.
-    init_device: Optional[str] = None
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> 'FSDPConfig':
-        """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
-        check_keys(cfg, [f.name for f in fields(cls)], 'model_wrapper_cfg')
-        return cls(**{name: _RESOLVERS.get(name, _as_is)(value)
-                      for name, value in cfg.items()})
-
-    def for_model(self, module: nn.Module) -> Tuple[Optional[WrapPolicy], Tuple[Type[nn.Module],
-                                                                                ...]]:
-        """The wrap policy and the checkpointed layer classes, checked against ``module``."""
-        return (build_wrap_policy(self.auto_wrap_policy, module),
-                resolve_activation_checkpointing(self.activation_checkpointing, module))
-
-    def check_device(self, device: torch.device) -> None:
-        """Raise on options the training device cannot honour.
-
-        FSDP1 offloads into pinned memory, which needs an accelerator: on the
-        CPU it would fail inside torch at the first forward.
-        """
-        if self.cpu_offload.offload_params and device.type == 'cpu':
-            raise ValueError('model_wrapper_cfg.cpu_offload: FSDP1 offloads to pinned memory, '
-                             'which needs an accelerator, and this process trains on the CPU; '
-                             'set cpu_offload=False (the parameters are on the CPU already)')
-
-
-def _as_is(value: Any) -> Any:
-    return value
-
-
-_RESOLVERS: Dict[str, Callable[[Any], Any]] = dict(
-    sharding_strategy=resolve_sharding_strategy,
-    backward_prefetch=resolve_backward_prefetch,
-    mixed_precision=resolve_mixed_precision,
-    cpu_offload=resolve_cpu_offload,
-    forward_prefetch=functools.partial(resolve_flag, key='model_wrapper_cfg.forward_prefetch'),
-    limit_all_gathers=functools.partial(resolve_flag, key='model_wrapper_cfg.limit_all_gathers'),
-    sync_module_states=functools.partial(resolve_flag, key='model_wrapper_cfg.sync_module_states'),
-    init_device=resolve_init_device,
-)
-
-
-def _is_hybrid(strategy: ShardingStrategy) -> bool:
-    return strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
 @MODEL_WRAPPERS.register_module()
-class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
+class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, ParallelWrapper):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
 
     The keyword arguments are the fields of :class:`FSDPConfig`. The device is
@@ -183,7 +88,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         # A 2-D mesh, not FSDP1's own intra-node groups: with it the sharded state
         # dicts are DTensors over the whole world, so a DCP save covers every rank
         # (without it they cover one node's group only, torch #102904).
-        mesh = build_hybrid_mesh(device) if _is_hybrid(cfg.sharding_strategy) else None
+        mesh = build_hybrid_mesh(device) if cfg.hybrid else None
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
@@ -207,17 +112,21 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
 
         Lets a runner reject a config on every rank before any collective.
         """
-        cfg = FSDPConfig.from_dict(config)
-        cfg.check_device(current_device())
-        if module is not None:
-            cfg.for_model(module)
-            if own_steps(module):
-                separate_roots(module, 'mmfsdp.MMFullyShardedDataParallel')
+        FSDPConfig.check(config, module, 'mmfsdp.MMFullyShardedDataParallel')
 
     @classmethod
     def offloads_to_cpu(cls, config: Mapping[str, Any]) -> bool:
         """Whether ``config`` keeps the parameters on the CPU (``cpu_offload``)."""
         return FSDPConfig.from_dict(config).cpu_offload.offload_params
+
+    @classmethod
+    def stages_on_cpu(cls, config: Mapping[str, Any], device: torch.device) -> bool:
+        """On an accelerator, unless ``sync_module_states=False``: FSDP1 broadcasts per unit.
+
+        FSDP1's broadcast (``sync_module_states``) takes device tensors; on the
+        CPU the runner's own broadcast serves.
+        """
+        return device.type != 'cpu' and config.get('sync_module_states') is not False
 
     @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
@@ -227,22 +136,4 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel):
         Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks
         (the whole world when unset).
         """
-        cfg = FSDPConfig.from_dict(config)
-        policy, _ = cfg.for_model(module)
-        strategy = cfg.sharding_strategy
-        shard = world_size
-        if strategy is ShardingStrategy.NO_SHARD:
-            shard = 1
-        elif _is_hybrid(strategy):
-            shard = node_mesh_sizes(world_size, local_world_size())[1]
-        sharded = shard > 1
-        return ShardingSpec(
-            wrapper='mmfsdp.MMFullyShardedDataParallel', strategy=strategy.name,
-            shard_size=shard, replicate_size=world_size // shard,
-            units=tuple(plan_units(module, policy)) if policy else (),
-            padding=Padding.FLAT if sharded else Padding.NONE,
-            shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
-            keep_gathered_until_backward=sharded and strategy in (
-                ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2),
-            compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None,
-            construction=Construction.UNIT_BY_UNIT)
+        return fsdp1_spec(FSDPConfig.from_dict(config), module, world_size)
