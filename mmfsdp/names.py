@@ -15,8 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['for_tta_model', 'model_state_names', 'unwrapped_name', 'unwrapped_named_parameters',
-           'unwrapped_param_names']
+__all__ = ['for_tta_model', 'model_state_names', 'module_tree', 'unwrapped_name',
+           'unwrapped_named_parameters', 'unwrapped_param_names']
 
 #: The child name torch's FSDP1 gives the module it wraps.
 FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
@@ -27,8 +27,8 @@ CHECKPOINT_WRAPPED_MODULE = '_checkpoint_wrapped_module'
 def unwrapped_name(model: nn.Module, name: str) -> str:
     """``name``, a path in the (possibly wrapped) ``model``, without the wrappers' components.
 
-    ``name`` is as ``nn.Module.named_parameters`` / ``named_modules`` of
-    ``model`` spell it (every component present).
+    ``name`` is a path through the modules' children (``_modules``), every
+    component present, as :func:`module_tree` spells it.
     """
     *path, leaf = name.split('.')
     kept = []
@@ -40,10 +40,38 @@ def unwrapped_name(model: nn.Module, name: str) -> str:
     return '.'.join(kept + [leaf])
 
 
+def module_tree(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """``(path, module)`` of every module, by the children each holds (``_modules``).
+
+    As ``nn.Module.named_modules`` is by default; not that method itself, which
+    a wrapper may override to report the unwrapped model's names
+    (:class:`mmfsdp.wrappers.holder.ModelHolder`).
+    """
+    seen: Set[int] = set()
+    stack = [('', model)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield path, module
+        children = [(f'{path}.{n}' if path else n, c) for n, c in module._modules.items()
+                    if c is not None]
+        stack.extend(reversed(children))
+
+
+def _tree_members(model: nn.Module, kind: str) -> Iterator[Tuple[str, Any]]:
+    seen: Set[int] = set()
+    for path, module in module_tree(model):
+        for name, tensor in getattr(module, kind).items():
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield (f'{path}.{name}' if path else name), tensor
+
+
 def unwrapped_named_parameters(model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every parameter, named as in the unwrapped model."""
-    # nn.Module's own method: wrappers may override named_parameters to rename.
-    for name, param in nn.Module.named_parameters(model):
+    for name, param in _tree_members(model, '_parameters'):
         yield unwrapped_name(model, name), param
 
 
@@ -54,7 +82,7 @@ def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
 
 def model_state_names(model: nn.Module) -> Set[str]:
     """The names of the parameters and buffers of ``model``, as the unwrapped model's."""
-    buffers = (unwrapped_name(model, n) for n, _ in nn.Module.named_buffers(model))
+    buffers = (unwrapped_name(model, n) for n, _ in _tree_members(model, '_buffers'))
     return set(unwrapped_param_names(model).values()).union(buffers)
 
 

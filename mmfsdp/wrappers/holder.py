@@ -2,12 +2,22 @@
 
 mmengine's wrapper contract is ``wrapper.module``; a wrapper that is a plain
 ``nn.Module`` around the model would otherwise prefix every name with
-``module.``. This one reports the unwrapped model's names for
-``named_parameters()``, ``state_dict()`` and
-``torch.distributed.checkpoint.state_dict``, so full checkpoints move freely
-between wrappers and one process.
+``module.``. The convention here: **everything named answers as the unwrapped
+model does** — ``named_parameters`` / ``parameters``, ``named_buffers`` /
+``buffers``, ``named_modules`` / ``modules``, ``get_submodule`` /
+``get_parameter`` / ``get_buffer``, ``state_dict`` / ``load_state_dict`` and
+``torch.distributed.checkpoint.state_dict`` — so a parameter name found on
+``runner.model`` names the same parameter and module on the wrapper, on the
+model and in a full checkpoint, which move freely between wrappers and one
+process. The wrapper itself is not among its ``modules()``.
+
+Only the structure keeps the wrapper: ``children()`` / ``named_children()``
+give ``module`` (the model), because torch's recursive methods (``train``,
+``to``, ``apply``, ``zero_grad``) walk children and must reach the model's own
+parameters and flags; and the attribute ``wrapper.module`` is the model.
+:func:`mmfsdp.names.module_tree` walks that structure.
 """
-from typing import Any, Dict, Iterator, Mapping, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -20,9 +30,8 @@ class ModelHolder(nn.Module):
 
     module: nn.Module
 
-    # The unwrapped model's names, for ``named_parameters()``, ``state_dict()`` and
-    # ``torch.distributed.checkpoint.state_dict``, which maps each name to a module
-    # path through ``_fqn_modifiers`` (it strips only DDP's and FSDP1's prefixes).
+    # ``torch.distributed.checkpoint.state_dict`` maps each name to a module path
+    # through ``_fqn_modifiers`` (it strips only DDP's and FSDP1's prefixes).
     # With ``recurse=False`` the wrapper reports what it owns itself: nothing.
 
     def named_parameters(self, prefix: str = '', recurse: bool = True,
@@ -38,6 +47,16 @@ class ModelHolder(nn.Module):
         owner = self.module if recurse else super()
         return owner.named_buffers(prefix=prefix, recurse=recurse,
                                    remove_duplicate=remove_duplicate)
+
+    def named_modules(self, memo: Optional[Set[nn.Module]] = None, prefix: str = '',
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]:
+        """The model's modules under the unwrapped model's names (the model itself is ``''``)."""
+        return self.module.named_modules(memo=memo, prefix=prefix,
+                                         remove_duplicate=remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The model's submodule of that unwrapped name (``''``: the model)."""
+        return self.module.get_submodule(target)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The sharded model's state dict, under the unwrapped model's keys."""

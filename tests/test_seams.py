@@ -1,0 +1,276 @@
+"""The seams between mmfsdp's parts, made explicit (issue 12).
+
+- one wrapper protocol (:mod:`mmfsdp.protocol`), implemented by FSDP1, FSDP2
+  and DDP, and called instead of probed;
+- wrapping in ``train()`` checks that the optimizer is built and the weights
+  are initialised: mmengine's order works, a changed order raises
+  (:mod:`mmfsdp.lifecycle`); ``FlexibleRunner`` is refused like the stock Runner;
+- ``MMFullyShard`` names everything as the unwrapped model does;
+- one optim-wrapper iterator, one config base.
+
+The multi-process checks share one 2-process group.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.model import MMDistributedDataParallel as MMEngineDDP
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.runner import Runner
+from torch import nn
+
+import mmfsdp
+from harness import run_distributed
+from mmfsdp import (
+    AmpOptimWrapper,
+    MMDistributedDataParallel,
+    MMFullyShard,
+    MMFullyShardedDataParallel,
+)
+from mmfsdp.lifecycle import LifecycleError, WrapPreconditions
+from mmfsdp.meta_init import wants_meta_init
+from mmfsdp.optim_wrappers import AnyOptimWrapper, named_optim_wrappers
+from mmfsdp.plan import plan_for
+from mmfsdp.protocol import ModelBinding, ParallelWrapper, is_parallel_wrapper
+from mmfsdp.wrappers.builder import offloads_to_cpu
+from mmfsdp.wrappers.config import FSDPConfig, FullyShardConfig, WrapperConfig
+from toy import ToyClassifier, runner_config
+
+OURS = (MMFullyShardedDataParallel, MMFullyShard, MMDistributedDataParallel)
+BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
+FSDP = 'mmfsdp.MMFullyShardedDataParallel'
+#: The members consumers used to reach with getattr / hasattr.
+MEMBERS = ('check_config', 'sharding_spec', 'supports_meta_init', 'offloads_to_cpu',
+           'stages_on_cpu', 'bind_model', 'no_sync', 'clip_grad_norm_')
+
+
+@pytest.mark.parametrize('cls', OURS, ids=lambda c: c.__name__)
+def test_each_wrapper_implements_the_protocol(cls):
+    assert issubclass(cls, ParallelWrapper) and is_parallel_wrapper(cls)
+    assert not cls.__abstractmethods__, f'{cls.__name__} lacks {set(cls.__abstractmethods__)}'
+
+
+def test_a_wrapper_missing_a_member_cannot_be_built():
+
+    class Incomplete(nn.Module, ParallelWrapper):
+
+        @classmethod
+        def check_config(cls, config, module=None):
+            pass
+
+    with pytest.raises(TypeError, match='abstract') as info:
+        Incomplete()
+    for member in ('sharding_spec', 'no_sync', 'clip_grad_norm_', 'train_step'):
+        assert member in str(info.value)
+
+
+def test_other_wrappers_are_driven_as_mmengine_drives_them():
+    assert not is_parallel_wrapper(MMEngineDDP)
+    assert not offloads_to_cpu(MMEngineDDP, dict(type=MMEngineDDP))
+    assert not wants_meta_init(MMEngineDDP, dict(type=MMEngineDDP, init_device='meta'))
+    assert wants_meta_init(MMFullyShard, dict(type=MMFullyShard, init_device='meta'))
+    with pytest.raises(TypeError, match='sharding_spec'):
+        plan_for(MMEngineDDP, dict(type=MMEngineDDP), ToyClassifier(), 2)
+
+
+def test_consumers_call_the_protocol_instead_of_probing():
+    probe = re.compile(r'\b(?:getattr|hasattr)\([^)]*[\'"](' + '|'.join(MEMBERS) + r')[\'"]')
+    root = Path(mmfsdp.__file__).parent
+    found = [f'{p.relative_to(root)}: {m.group(0)}' for p in root.rglob('*.py')
+             for m in probe.finditer(p.read_text())]
+    assert not found, found
+
+
+def test_optim_wrappers_that_need_the_model_declare_it():
+    param = nn.Parameter(torch.zeros(2))
+    amp = AmpOptimWrapper(optimizer=torch.optim.SGD([param], lr=0.1))
+    assert isinstance(amp, ModelBinding)
+    assert not isinstance(OptimWrapper(optimizer=torch.optim.SGD([param], lr=0.1)), ModelBinding)
+
+
+def test_one_optim_wrapper_iterator():
+    from mmfsdp.checkpoint import sharded, state
+    assert state.AnyOptimWrapper is AnyOptimWrapper and sharded.AnyOptimWrapper is AnyOptimWrapper
+    one, gen, disc = (OptimWrapper(optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1))
+                      for _ in range(3))
+    assert list(named_optim_wrappers(one)) == [(None, one)]
+    pairs = list(named_optim_wrappers(OptimWrapperDict(generator=gen, discriminator=disc)))
+    assert pairs == [('generator', gen), ('discriminator', disc)]
+
+
+def test_fsdp1_and_fsdp2_configs_share_one_base():
+    for cls in (FSDPConfig, FullyShardConfig):
+        assert issubclass(cls, WrapperConfig)
+        assert cls.for_model is WrapperConfig.for_model
+        assert cls.check.__func__ is WrapperConfig.check.__func__
+        assert set(cls.RESOLVERS) <= {f for f in cls.__dataclass_fields__}
+
+
+def test_wrap_preconditions_apply_in_train_only():
+    pre = WrapPreconditions()
+    pre.check(dict(type='OptimWrapper'))  # val() / test(): nothing to check
+    with pre.phase('train'), pytest.raises(LifecycleError) as info:
+        pre.check(dict(type='OptimWrapper'))
+    assert 'optim wrapper is not built' in str(info.value)
+    assert 'weights are not initialised' in str(info.value)
+
+
+# ---- one 2-process group -------------------------------------------------------------------
+
+
+class _LoadFirst(Runner):
+    """An mmengine whose ``train()`` loads (wraps) before building the optimizer."""
+
+    def train(self):
+        self._train_loop = self.build_train_loop(self._train_loop)
+        self.load_or_resume()
+        raise AssertionError('load_or_resume should have refused')
+
+
+class _InitLast(Runner):
+    """An mmengine whose ``train()`` initialises the weights after loading (wrapping)."""
+
+    def train(self):
+        self._train_loop = self.build_train_loop(self._train_loop)
+        self.optim_wrapper = self.build_optim_wrapper(self.optim_wrapper)
+        self.call_hook('before_run')
+        self.load_or_resume()
+        raise AssertionError('load_or_resume should have refused')
+
+
+class _Scaled(ToyClassifier):
+    """The toy model with a parameter of the root module itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def _error(fn) -> tuple:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def _runner_checks(work_root: str, out: dict) -> None:
+    from mmengine.runner import FlexibleRunner
+
+    from mmfsdp import FSDPRunner
+
+    def config(name, **extra):
+        cfg = runner_config(name, f'{work_root}/{name}', batch_size=4, max_iters=2,
+                            wrapper=dict(type=FSDP, auto_wrap_policy=BLOCKS))
+        cfg.update(extra)
+        return Config(cfg)
+
+    runner = FSDPRunner.from_cfg(config('documented'))
+    out['documented'] = _error(runner.train) + (type(runner.model).__name__, )
+    for name, order in (('load first', _LoadFirst), ('init last', _InitLast)):
+        runner_cls = type(f'Reordered{order.__name__}', (FSDPRunner, order), {})
+        runner = runner_cls.from_cfg(config(name.replace(' ', '_')))
+        out[name] = _error(runner.train) + (type(runner.model).__name__, )
+    for wrapper in ('mmfsdp.MMFullyShard', FSDP):
+        cfg = runner_config('flexible', f'{work_root}/flexible', batch_size=4, max_iters=1)
+        cfg['strategy'] = dict(type='DDPStrategy', model_wrapper=dict(type=wrapper))
+        cfg = Config(cfg)
+        out[f'flexible {wrapper}'] = _error(lambda c=cfg: FlexibleRunner.from_cfg(c).train())
+
+
+def _ddp_clip(out: dict) -> None:
+    torch.manual_seed(0)
+    model = MMDistributedDataParallel(ToyClassifier())
+    rank = torch.distributed.get_rank()
+    model(torch.randn(4, 6) + rank, torch.tensor([0, 1, 2, rank]), mode='loss')['loss'].backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    norm = model.clip_grad_norm_(0.01)
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    out['ddp clip'] = (float(norm), float(expected), float(clipped))
+
+
+def _fsdp2_names(out: dict) -> None:
+    torch.manual_seed(0)
+    reference = _Scaled()
+    wrapper = MMFullyShard(_Scaled(), auto_wrap_policy=BLOCKS)
+    params = dict(wrapper.named_parameters())
+    out['names'] = dict(
+        parameters=(list(params), [n for n, _ in reference.named_parameters()]),
+        buffers=([n for n, _ in wrapper.named_buffers()],
+                 [n for n, _ in reference.named_buffers()]),
+        modules=([n for n, _ in wrapper.named_modules()],
+                 [n for n, _ in reference.named_modules()]),
+        state_dict=(sorted(wrapper.state_dict()), sorted(reference.state_dict())),
+    )
+    out['get_parameter finds each named parameter'] = all(
+        wrapper.get_parameter(n) is p for n, p in params.items())
+    out['named module owns each parameter'] = all(
+        getattr(dict(wrapper.named_modules())[n.rpartition('.')[0]], n.rpartition('.')[2]) is p
+        for n, p in params.items())
+    out['modules'] = (any(m is wrapper for m in wrapper.modules()),
+                      next(iter(wrapper.modules())) is wrapper.module)
+    out['children'] = [n for n, _ in wrapper.named_children()]
+    wrapper.eval()
+    out['eval reaches the model'] = not wrapper.module.training
+
+
+def _seams(work_root: str) -> dict:
+    out: dict = {}
+    _runner_checks(work_root, out)  # FSDPRunner starts the group the other checks use
+    _ddp_clip(out)
+    _fsdp2_names(out)
+    return out
+
+
+@pytest.fixture(scope='module')
+def ranks(tmp_path_factory) -> list:
+    return run_distributed(_seams, 2, str(tmp_path_factory.mktemp('seams')))
+
+
+def test_documented_train_order_wraps_and_trains(ranks):
+    assert [r['documented'] for r in ranks] == [(None, None, 'MMFullyShardedDataParallel')] * 2
+
+
+def test_wrapping_before_the_optimizer_is_built_raises_on_every_rank(ranks):
+    for rank in ranks:
+        error, message, model = rank['load first']
+        assert error == 'LifecycleError', message
+        assert 'optim wrapper is not built' in message and 'build_optim_wrapper' in message
+        assert model == 'ToyClassifier'  # refused before anything was wrapped
+
+
+def test_wrapping_before_the_weights_are_initialised_raises_on_every_rank(ranks):
+    for rank in ranks:
+        error, message, model = rank['init last']
+        assert error == 'LifecycleError', message
+        assert 'weights are not initialised' in message and '_init_model_weights' in message
+        assert 'optim wrapper' not in message
+        assert model == 'ToyClassifier'
+
+
+@pytest.mark.parametrize('wrapper', ['mmfsdp.MMFullyShard', FSDP])
+def test_flexible_runner_is_refused_like_the_stock_runner(ranks, wrapper):
+    for rank in ranks:
+        error, message = rank[f'flexible {wrapper}']
+        assert error == 'RuntimeError', message
+        assert "FlexibleRunner" in message and "runner_type='mmfsdp.FSDPRunner'" in message
+
+
+def test_ddp_clips_by_the_norm_of_its_replicated_gradients(ranks):
+    norms = [r['ddp clip'] for r in ranks]
+    assert norms[0][:2] == norms[1][:2]  # all-reduced gradients: one norm everywhere
+    for norm, expected, clipped in norms:
+        assert norm == pytest.approx(expected) and clipped == pytest.approx(0.01, rel=1e-4)
+
+
+def test_fully_shard_names_everything_as_the_unwrapped_model(ranks):
+    for rank in ranks:
+        for kind, (got, expected) in rank['names'].items():
+            assert got == expected, kind
+        assert rank['get_parameter finds each named parameter']
+        assert rank['named module owns each parameter']
+        assert rank['modules'] == (False, True)  # the model is '', the wrapper not listed
+        assert rank['children'] == ['module']  # the structure: train/to/apply reach the model
+        assert rank['eval reaches the model']
