@@ -97,6 +97,11 @@ class WrapperConfig:
     def check_device(self, device: torch.device) -> None:
         """Raise on options the training device cannot honour."""
 
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """Whether the parameters stay on the CPU while training."""
+        raise NotImplementedError
+
     @classmethod
     def check(cls, config: Mapping[str, Any], module: Optional[nn.Module],
               wrapper_name: str) -> None:
@@ -150,6 +155,11 @@ class FSDPConfig(WrapperConfig):
         sync_module_states=_flag('sync_module_states'),
         init_device=resolve_init_device,
     )
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """``cpu_offload``."""
+        return self.cpu_offload.offload_params
 
     @property
     def hybrid(self) -> bool:
@@ -224,6 +234,11 @@ class FullyShardConfig(WrapperConfig):
             cfg.update(_from_sharding_strategy(cfg))
         cfg.pop('sharding_strategy', None)
         return cfg
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """``offload=dict(cpu_offload=True)``."""
+        return isinstance(self.offload, CPUOffloadPolicy)
 
     def check_device(self, device: torch.device) -> None:
         """Raise on options the training device cannot honour."""

@@ -9,9 +9,9 @@ from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..dist import current_device
 from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
 from ..plan.spec import ShardingSpec
-from ..protocol import ParallelWrapper
 from ..registry import MODEL_WRAPPERS
 from .config import FSDPConfig
+from .configured import ConfiguredWrapper
 from .guard import reject_stock_runner
 from .mesh import build_hybrid_mesh
 from .separate import MMSeparateFullyShardedDataParallel
@@ -22,7 +22,7 @@ __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, ParallelWrapper):
+class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, ConfiguredWrapper):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
 
     The keyword arguments are the fields of :class:`FSDPConfig`. The device is
@@ -56,6 +56,8 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Pa
 
     #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
     supports_meta_init = True
+    CONFIG = FSDPConfig
+    NAME = 'mmfsdp.MMFullyShardedDataParallel'
 
     def __new__(cls, module: Optional[nn.Module] = None, **config: Any) -> nn.Module:
         """A new wrapper; for a model with its own steps, one FSDP1 root per child.
@@ -105,19 +107,6 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Pa
             use_orig_params=True)
         set_preprocessor_device(self.module, device)
         apply_activation_checkpointing_to(self, checkpoint_layers)
-
-    @classmethod
-    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
-        """Raise on a bad config; with ``module``, check the model-dependent options too.
-
-        Lets a runner reject a config on every rank before any collective.
-        """
-        FSDPConfig.check(config, module, 'mmfsdp.MMFullyShardedDataParallel')
-
-    @classmethod
-    def offloads_to_cpu(cls, config: Mapping[str, Any]) -> bool:
-        """Whether ``config`` keeps the parameters on the CPU (``cpu_offload``)."""
-        return FSDPConfig.from_dict(config).cpu_offload.offload_params
 
     @classmethod
     def stages_on_cpu(cls, config: Mapping[str, Any], device: torch.device) -> bool:

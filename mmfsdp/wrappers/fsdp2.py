@@ -5,20 +5,19 @@ The wrapper class only; its parts live by concern: the resolved config
 (:mod:`.holder`), ``no_sync`` (:mod:`.grad_sync`), the plan (:mod:`.specs`),
 clipping (:mod:`mmfsdp.clip`) and meta init (:mod:`mmfsdp.meta_init`).
 """
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy
 
 from ..clip import clip_grads_by_global_norm
 from ..dist import current_device
 from ..meta_init import check_init_cfgs, materialize
 from ..plan.spec import ShardingSpec
-from ..protocol import ParallelWrapper
 from ..registry import MODEL_WRAPPERS
 from ..unused_params import UsageProbe, check_same_parameters_used
 from .config import FullyShardConfig
+from .configured import ConfiguredWrapper
 from .grad_sync import GradientSyncSwitch
 from .guard import reject_stock_runner
 from .holder import ModelHolder
@@ -32,7 +31,7 @@ __all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model', 'unit_plan']
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, ParallelWrapper):
+class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, ConfiguredWrapper):
     """Fully sharded data parallel with torch's ``fully_shard`` (FSDP2).
 
     The model is sharded in place: parameters become DTensors sharded over the
@@ -64,6 +63,8 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, ParallelW
 
     #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
     supports_meta_init = True
+    CONFIG = FullyShardConfig
+    NAME = 'mmfsdp.MMFullyShard'
 
     def __init__(self, module: nn.Module, **config: Any) -> None:
         reject_stock_runner(type(self).__name__)
@@ -97,19 +98,6 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, ParallelW
             materialize(module, device, self.mesh)
         self.module = module
         self._sync_gradients = True
-
-    @classmethod
-    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
-        """Raise on a bad config; with ``module``, check the model-dependent options too.
-
-        Lets a runner reject a config on every rank before any collective.
-        """
-        FullyShardConfig.check(config, module, 'mmfsdp.MMFullyShard')
-
-    @classmethod
-    def offloads_to_cpu(cls, config: Mapping[str, Any]) -> bool:
-        """Whether ``config`` keeps the parameters on the CPU (``offload``)."""
-        return isinstance(FullyShardConfig.from_dict(config).offload, CPUOffloadPolicy)
 
     @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
