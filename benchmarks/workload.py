@@ -155,8 +155,10 @@ def warm_up(wrapper_cfg: Dict[str, Any], name: str) -> int:
     return rss_bytes() - before
 
 
-def plain_model(kind: str, preset: str, seed: int = 0) -> tuple:
+def plain_model(kind: str, preset: str, seed: int = 0, model: Any = None) -> tuple:
     """``(wrapped model, AdamW)`` written against torch's API with the wrapper's settings.
+
+    ``model`` (default: ``preset`` built and initialised under ``seed``) is wrapped as given.
 
     ``kind`` is ``'fsdp1'`` (FULL_SHARD, one unit per block, BACKWARD_PRE,
     limit_all_gathers, use_orig_params: mmfsdp's defaults), ``'fsdp2'``
@@ -167,9 +169,10 @@ def plain_model(kind: str, preset: str, seed: int = 0) -> tuple:
     import torch.distributed as dist
 
     from mmfsdp.demo.blocks import TransformerBlock
-    torch.manual_seed(seed)
-    model = build_model(preset)
-    model.init_weights()  # same seed on every rank: same weights, no broadcast needed
+    if model is None:
+        torch.manual_seed(seed)
+        model = build_model(preset)
+        model.init_weights()  # same seed on every rank: same weights, no broadcast needed
     if kind == 'fsdp1':
         from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -1,0 +1,294 @@
+"""The peers section of ``docs/benchmarks.md``, from ``benchmarks/results/peers.json``.
+
+:mod:`benchmarks.peers` writes that file (one memory job per arm, one
+interleaved job); :func:`benchmarks.report.render` adds this section when the
+file exists. ``notes`` in the file are observations recorded by hand beside a
+run (e.g. from a probe run), printed as they are.
+"""
+import json
+import os
+import statistics
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ['RESULTS', 'arm_rows', 'goals', 'load', 'peers_lines']
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'peers.json')
+MIB = 2**20
+#: The hand-written torch arm of each family (the ratios' denominator).
+REFERENCE = {'fsdp1': 'torch FSDP1', 'fsdp2': 'torch FSDP2', 'ddp': 'torch DDP'}
+#: mmfsdp's arm of each family.
+MMFSDP = {'fsdp1': 'mmfsdp FSDP1', 'fsdp2': 'mmfsdp FSDP2', 'ddp': 'mmfsdp DDP'}
+#: Two arms "agree" when their losses after the last step differ by at most this.
+LOSS_TOLERANCE = 1e-4
+#: A parameter storage per rank below this share of the full model counts as sharded.
+SHARDED_BELOW = 0.75
+RATIO_GOAL = 1.03
+
+
+def load(path: str = RESULTS) -> Optional[Dict[str, Any]]:
+    """The recorded peers run (``None`` when the file is absent)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def family(label: str) -> str:
+    """The family of an arm label: which hand-written torch arm it is timed against."""
+    if 'DDP' in label:
+        return 'ddp'
+    if 'FSDP2' in label or 'ModelParallel' in label:
+        return 'fsdp2'
+    return 'fsdp1'
+
+
+def _summary(values: List[float]) -> Dict[str, float]:
+    return dict(median=statistics.median(values), min=min(values), max=max(values),
+                n=len(values))
+
+
+def _memory(result: Dict[str, Any]) -> Dict[str, Any]:
+    """What one arm's memory job measured: ok/error, state, peak, parameter bytes."""
+    if 'job_failed' in result:
+        return dict(ok=False, error=result['job_failed'].strip().splitlines()[-1],
+                    stage='job', where=[])
+    ranks = result['ranks']
+    failed = [r for r in ranks if not r['ok']]
+    if failed:
+        return dict(ok=False, error=failed[0]['error'], stage=failed[0]['stage'],
+                    where=failed[0].get('where', []))
+    steps = range(1, len(ranks[0]['peaks']))  # the first step allocates AdamW state
+    peak = [max(r['peaks'][i] for r in ranks) for i in steps]
+    state = [max(r['states'][i]['total'] for r in ranks) for i in steps]
+    params = max(r['states'][-1]['params'] for r in ranks)
+    return dict(ok=True, peak=_summary(peak), state=_summary(state), params=params,
+                parts=ranks[0]['states'][-1], wrapper=ranks[0]['wrapper'],
+                notes=ranks[0].get('notes', ''))
+
+
+def _interleaved(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    found = [r for r in data['results'] if r.get('mode') == 'interleaved']
+    if not found or 'job_failed' in found[0]:
+        return None
+    return found[0]
+
+
+def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One record per arm: memory job, ratio to its torch arm, loss after the last step."""
+    memory = {r['arms'][0]: _memory(r) for r in data['results'] if r.get('mode') == 'memory'}
+    inter = _interleaved(data)
+    times: Dict[str, List[float]] = {}
+    losses: Dict[str, List[float]] = {}
+    errors: Dict[str, Any] = {}
+    timed_from = 0
+    if inter:
+        rank0 = inter['ranks'][0]
+        times, errors, timed_from = rank0['times'], rank0['errors'], inter['timed_from']
+        losses = {label: [r['losses'][label][-1] for r in inter['ranks']
+                          if len(r['losses'].get(label, [])) == inter['steps']]
+                  for label in rank0['losses']}
+    labels = list(memory) or list(times)
+    full = 4 * data['results'][0].get('params', 0)
+    ddp_loss = losses.get('torch DDP')
+    rows = []
+    for label in labels:
+        fam = family(label)
+        mem = memory.get(label, dict(ok=label in times))
+        row: Dict[str, Any] = dict(label=label, family=fam, memory=mem)
+        ref = REFERENCE[fam]
+        if label in times and ref in times and len(times[label]) == len(times[ref]):
+            ratios = [a / b for a, b in zip(times[label][timed_from:], times[ref][timed_from:])]
+            row['ratio'] = _summary(ratios) if ratios else None
+            row['step_s'] = _summary(times[label][timed_from:]) if ratios else None
+        if label in errors:
+            row['interleaved_error'] = errors[label]
+        if label in losses and losses[label]:
+            row['loss'] = losses[label]
+            if ddp_loss:
+                row['loss_delta'] = max(abs(a - b) for a, b in zip(losses[label], ddp_loss))
+        if mem.get('ok') and 'params' in mem and full:
+            row['sharded'] = mem['params'] < SHARDED_BELOW * full
+        rows.append(row)
+    return rows
+
+
+def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool]]]:
+    """(goal, target, measured, verdict) per mmfsdp arm and quantity."""
+    by_label = {r['label']: r for r in rows}
+    out: List[Tuple[str, str, str, Optional[bool]]] = []
+    for fam, mine in MMFSDP.items():
+        me = by_label.get(mine)
+        if not me or not me['memory'].get('ok'):
+            continue
+        peers = [r for r in rows if r['family'] == fam and r['label'] != mine
+                 and r['memory'].get('ok')]
+        for key, name in (('state', 'model state'), ('peak', 'peak')):
+            mine_v = me['memory'][key]['max' if key == 'state' else 'median']
+            worst = max(peers, key=lambda r: mine_v / _value(r, key), default=None)
+            if worst is None:
+                continue
+            ratio = mine_v / _value(worst, key)
+            out.append((f'{mine}: {name} per rank ≤ every {fam.upper()} peer that runs',
+                        '≤ 1.00 × the lowest peer',
+                        f"{ratio:.3f} × {worst['label']} ({mine_v / MIB:,.1f} / "
+                        f"{_value(worst, key) / MIB:,.1f} MiB)", ratio <= 1.0))
+        if me.get('ratio'):
+            med = me['ratio']['median']
+            out.append((f'{mine}: step time / {REFERENCE[fam]}, same rounds', '≤ 1.03',
+                        f"{med:.3f} ({me['ratio']['min']:.3f}–{me['ratio']['max']:.3f}) "
+                        f"over {me['ratio']['n']} rounds", med <= RATIO_GOAL))
+    return out
+
+
+def _value(row: Dict[str, Any], key: str) -> float:
+    return row['memory'][key]['max' if key == 'state' else 'median']
+
+
+def _mib(n: float) -> str:
+    return f'{n / MIB:,.1f}'
+
+
+def _cells(row: Dict[str, Any], full: int) -> List[str]:
+    mem = row['memory']
+    if not mem.get('ok'):
+        return [row['label'], row['family'].upper(), f"**no** ({mem.get('stage', '?')}: see "
+                'below)'] + ['—'] * 6
+    shard = ('yes' if row.get('sharded') else
+             ('no (replicated, as configured)' if row['family'] == 'ddp' else
+              '**no: does not shard**'))
+    ratio = row.get('ratio')
+    loss = row.get('loss')
+    delta = row.get('loss_delta')
+    agree = ('' if delta is None else
+             (f' (Δ {delta:.1e})' if delta <= LOSS_TOLERANCE else f' (**Δ {delta:.1e}**)'))
+    return [row['label'], row['family'].upper(), 'yes',
+            f"{mem['wrapper']}" + (f"; {mem['notes']}" if mem.get('notes') else ''),
+            f"{_mib(mem['params'])} of {_mib(full)} — {shard}",
+            _mib(mem['state']['max']), f"{_mib(mem['peak']['median'])} "
+            f"({_mib(mem['peak']['min'])}–{_mib(mem['peak']['max'])})",
+            '1 (reference)' if row['label'] == REFERENCE[row['family']] else
+            (f"{ratio['median']:.3f} ({ratio['min']:.3f}–{ratio['max']:.3f})" if ratio else '—'),
+            (f'{loss[0]:.6f}' + agree) if loss else '—']
+
+
+def _plot(rows: List[Dict[str, Any]], img_dir: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    labels = [r['label'] for r in rows][::-1]
+    by = {r['label']: r for r in rows}
+    y = list(range(len(labels)))
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 0.45 * len(labels) + 1.6),
+                                          sharey=True)
+    for offset, key, name, color in ((0.2, 'state', 'model state', '#4c72b0'),
+                                     (-0.2, 'peak', 'peak (median)', '#dd8452')):
+        values = [(_value(by[a], key) / MIB if by[a]['memory'].get('ok') else 0) for a in labels]
+        ax_mem.barh([i + offset for i in y], values, height=0.38, label=name, color=color)
+    for i, a in enumerate(labels):
+        if not by[a]['memory'].get('ok'):
+            ax_mem.text(1, i, 'fails on CPU', va='center', fontsize=8, color='#a00')
+        elif not by[a].get('sharded') and by[a]['family'] != 'ddp':
+            ax_mem.text(_value(by[a], 'peak') / MIB + 5, i - 0.2, 'does not shard',
+                        va='center', fontsize=8, color='#a00')
+    ax_mem.set_yticks(y, labels, fontsize=8)
+    ax_mem.set_xlabel('MiB per rank')
+    ax_mem.legend(fontsize=8, loc='lower right')
+    ax_mem.set_title('memory per rank', fontsize=10)
+    for i, a in enumerate(labels):
+        ratio = by[a].get('ratio')
+        if ratio:
+            ax_time.errorbar(ratio['median'], i, xerr=[[ratio['median'] - ratio['min']],
+                                                       [ratio['max'] - ratio['median']]],
+                             fmt='o', color='#55a868' if 'mmfsdp' in a else '#555', capsize=3)
+    ax_time.axvline(1.0, color='#999', lw=0.8)
+    ax_time.axvline(RATIO_GOAL, color='#c44', lw=0.8, ls='--', label='1.03')
+    ax_time.set_xlabel('step time / hand-written torch arm of the family, same round')
+    ax_time.set_title('step-time ratio: median, min–max over rounds', fontsize=10)
+    ax_time.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(img_dir, exist_ok=True)
+    name = 'peers.png'
+    fig.savefig(os.path.join(img_dir, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
+                img_rel: str = 'img') -> List[str]:
+    """The section as Markdown lines (nothing without a recorded run)."""
+    if not data or not data.get('results'):
+        return []
+    rows = arm_rows(data)
+    first = data['results'][0]
+    full = 4 * first.get('params', 0)
+    inter = _interleaved(data)
+    loads = [x for r in data['results'] for x in (r.get('load_before'), r.get('load_after'))
+             if x is not None]
+    lines = [
+        '## The peers side by side', '',
+        f"`python -m benchmarks.peers` (or `python -m benchmarks.run --peers`; dependencies: "
+        f"`pip install -e .[benchmarks]`), run {data.get('started', '')}: "
+        f"{first['model']} ({first.get('params', 0) / 1e6:.1f}M parameters, fp32, AdamW), "
+        f"N = {data['nproc']} CPU processes (gloo), batch {first['batch_size']} × "
+        f"{first['seq_len']} tokens per rank, the same per-rank batches and the same initial "
+        'weights (one file, loaded through each framework\'s `init_weights` path or before '
+        'wrapping) for every arm; one FSDP unit per `TransformerBlock` wherever the framework '
+        'shards.', '',
+        '- **Memory**: one torchrun job per arm, alone in its processes, run exactly as section '
+        '2: a warm-up step of the tiny GPT under the same arm, then the baseline, then '
+        f"{first.get('steps', 0)} steps of which the first (AdamW allocates its state) is left "
+        'out; model state = storages of parameters, gradients and AdamW state right after '
+        '`optimizer.step()`; peak = resident-set high-water mark of the step above the baseline '
+        '(`MALLOC_MMAP_THRESHOLD_` as in Method). "Parameters per rank" is the storage behind '
+        'the local parameters: an arm whose configuration asks for sharding but whose '
+        'parameters stay at the full model size does not shard, whatever its config says.',
+        '- **Step time and loss**: one torchrun job holding every arm that ran, '
+        + (f"{inter['steps']} rounds of one step of each arm on the round's batch, the order "
+           "rotated every round, each step timed between two barriers; the ratio of a round is "
+           "the arm's step time over the hand-written torch arm of its family (FSDP1, FSDP2 or "
+           f"DDP) in the same round, the first {inter['timed_from']} rounds left out. Loss = the "
+           f"loss of step {inter['steps']} on each rank; Δ = the largest difference from "
+           f"hand-written torch DDP over the ranks (agree: Δ ≤ {LOSS_TOLERANCE:g})."
+           if inter else 'not recorded.'),
+        f"- **Machine load**: the 2-core machine was shared with five other sessions running "
+        f"their tests and benchmarks; the 1-minute load average was "
+        f"{min(loads):.1f}–{max(loads):.1f} across the jobs (2 cores), so step times are "
+        "several times those of an idle machine and single rounds swing widely; only the ratios "
+        "of the same round are meaningful, and their medians." if loads else '', '']
+    header = ['arm', 'family', 'runs on CPU', 'wrapper found (framework notes)',
+              'parameters per rank MiB — shards?', 'model state MiB per rank',
+              'peak MiB per rank, median (min–max)', 'step time / torch arm, median (min–max)',
+              'loss after the last step (rank 0)']
+    lines += ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    lines += ['| ' + ' | '.join(_cells(r, full)) + ' |' for r in rows]
+    lines.append('')
+    failed = [r for r in rows if not r['memory'].get('ok')]
+    if failed:
+        lines += ['Arms that do not run on CPU, with the exact error (every rank raised it):', '']
+        for r in failed:
+            where = r['memory'].get('where') or []
+            lines.append(f"- **{r['label']}** ({r['memory'].get('stage')}): "
+                         f"`{r['memory'].get('error')}`"
+                         + (f" — raised at `{where[-1]}`" if where else ''))
+        lines.append('')
+    late = [r for r in rows if r.get('interleaved_error')]
+    for r in late:
+        lines.append(f"- **{r['label']}** failed in the interleaved job "
+                     f"({r['interleaved_error']['stage']}): `{r['interleaved_error']['error']}`")
+    verdicts = goals(rows)
+    if verdicts:
+        lines += ['Goals (mmfsdp against the peers of its family that run; "peer" includes the '
+                  'hand-written torch arm):', '',
+                  '| goal | target | measured | result |', '|---|---|---|---|']
+        lines += [f"| {g} | {t} | {m} | {'**pass**' if ok else '**fail**'} |"
+                  for g, t, m, ok in verdicts]
+        lines.append('')
+    if img_dir:
+        name = _plot(rows, img_dir)
+        if name:
+            lines += [f'![peers side by side]({img_rel}/{name})', '']
+    lines += [f'- {note}' for note in data.get('notes', [])]
+    return lines + ['']
