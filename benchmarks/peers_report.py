@@ -8,6 +8,7 @@ run (e.g. from a probe run), printed as they are.
 import json
 import os
 import statistics
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ['RESULTS', 'arm_rows', 'goals', 'load', 'peers_lines']
@@ -23,6 +24,7 @@ LOSS_TOLERANCE = 1e-4
 #: A parameter storage per rank below this share of the full model counts as sharded.
 SHARDED_BELOW = 0.75
 RATIO_GOAL = 1.03
+TITLE = '## The peers side by side'
 
 
 def load(path: str = RESULTS) -> Optional[Dict[str, Any]]:
@@ -89,7 +91,8 @@ def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
                   for label in rank0['losses']}
     labels = list(memory) or list(times)
     full = 4 * data['results'][0].get('params', 0)
-    ddp_loss = losses.get('torch DDP')
+    # Every arm against hand-written DDP (or the first arm, when DDP did not run).
+    ref_loss = losses.get('torch DDP') or next(iter(losses.values()), None)
     rows = []
     for label in labels:
         fam = family(label)
@@ -104,8 +107,8 @@ def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
             row['interleaved_error'] = errors[label]
         if label in losses and losses[label]:
             row['loss'] = losses[label]
-            if ddp_loss:
-                row['loss_delta'] = max(abs(a - b) for a, b in zip(losses[label], ddp_loss))
+            if ref_loss:
+                row['loss_delta'] = max(abs(a - b) for a, b in zip(losses[label], ref_loss))
         if mem.get('ok') and 'params' in mem and full:
             row['sharded'] = mem['params'] < SHARDED_BELOW * full
         rows.append(row)
@@ -120,8 +123,7 @@ def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool
         me = by_label.get(mine)
         if not me or not me['memory'].get('ok'):
             continue
-        peers = [r for r in rows if r['family'] == fam and r['label'] != mine
-                 and r['memory'].get('ok')]
+        peers = [r for r in rows if r['family'] == fam and r['label'] != mine and _equal(r)]
         for key, name in (('state', 'model state'), ('peak', 'peak')):
             mine_v = me['memory'][key]['max' if key == 'state' else 'median']
             worst = max(peers, key=lambda r: mine_v / _value(r, key), default=None)
@@ -138,6 +140,14 @@ def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool
                         f"{med:.3f} ({me['ratio']['min']:.3f}–{me['ratio']['max']:.3f}) "
                         f"over {me['ratio']['n']} rounds", med <= RATIO_GOAL))
     return out
+
+
+def _equal(row: Dict[str, Any]) -> bool:
+    """Whether an arm runs at mmfsdp's settings: it trains, shards if its family does, and
+    its loss agrees (an arm that does not shard or does not synchronise is another setting)."""
+    delta = row.get('loss_delta')
+    return (bool(row['memory'].get('ok')) and (row['family'] == 'ddp' or bool(row.get('sharded')))
+            and (delta is None or delta <= LOSS_TOLERANCE))
 
 
 def _value(row: Dict[str, Any], key: str) -> float:
@@ -228,9 +238,10 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
     loads = [x for r in data['results'] for x in (r.get('load_before'), r.get('load_after'))
              if x is not None]
     lines = [
-        '## The peers side by side', '',
-        f"`python -m benchmarks.peers` (or `python -m benchmarks.run --peers`; dependencies: "
-        f"`pip install -e .[benchmarks]`), run {data.get('started', '')}: "
+        TITLE, '', '`python -m benchmarks.peers_report` writes this section from '
+        '`benchmarks/results/peers.json`.', '',
+        f"Measured by `python -m benchmarks.peers` (or `python -m benchmarks.run --peers`; "
+        f"dependencies: `pip install -e .[benchmarks]`), run {data.get('started', '')}: "
         f"{first['model']} ({first.get('params', 0) / 1e6:.1f}M parameters, fp32, AdamW), "
         f"N = {data['nproc']} CPU processes (gloo), batch {first['batch_size']} × "
         f"{first['seq_len']} tokens per rank, the same per-rank batches and the same initial "
@@ -280,8 +291,9 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
                      f"({r['interleaved_error']['stage']}): `{r['interleaved_error']['error']}`")
     verdicts = goals(rows)
     if verdicts:
-        lines += ['Goals (mmfsdp against the peers of its family that run; "peer" includes the '
-                  'hand-written torch arm):', '',
+        lines += ['Goals: mmfsdp against every arm of its family that runs at the same '
+                  'settings (it trains, shards where the family shards, and its loss agrees), '
+                  'the hand-written torch arm included:', '',
                   '| goal | target | measured | result |', '|---|---|---|---|']
         lines += [f"| {g} | {t} | {m} | {'**pass**' if ok else '**fail**'} |"
                   for g, t, m, ok in verdicts]
@@ -292,3 +304,43 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
             lines += [f'![peers side by side]({img_rel}/{name})', '']
     lines += [f'- {note}' for note in data.get('notes', [])]
     return lines + ['']
+
+
+
+def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = 'img') -> None:
+    """Put the section into the Markdown file ``doc``, leaving the rest of it as it is.
+
+    It replaces the section of the same title, or goes before "## Observations"
+    (where :func:`benchmarks.report.render` puts it), or at the end.
+    """
+    with open(doc, encoding='utf-8') as f:
+        lines = f.read().split('\n')
+    section = peers_lines(data, img_dir, img_rel)
+    if TITLE in lines:
+        start = lines.index(TITLE)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith('## ')),
+                   len(lines))
+    else:
+        start = end = lines.index('## Observations') if '## Observations' in lines else len(lines)
+    lines[start:end] = section
+    with open(doc, 'w', encoding='utf-8') as f:
+        f.write('\n'.join(lines))
+
+
+def main() -> None:
+    """``python -m benchmarks.peers_report [RESULTS] [--doc docs/benchmarks.md]``."""
+    import argparse
+    parser = argparse.ArgumentParser(description='Write the peers section into the report.')
+    parser.add_argument('results', nargs='?', default=RESULTS)
+    parser.add_argument('--doc', default=os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), 'docs', 'benchmarks.md'))
+    args = parser.parse_args()
+    data = load(args.results)
+    if data is None:
+        raise SystemExit(f'{args.results}: no such file (run python -m benchmarks.peers)')
+    write_section(args.doc, data, os.path.join(os.path.dirname(args.doc), 'img'))
+    print(f'{args.doc}: {TITLE[3:]} written', file=sys.stderr)
+
+
+if __name__ == '__main__':
+    main()

@@ -9,6 +9,8 @@ results (``benchmarks/results/<mode>.json``, written after every job, so
   under 30 minutes on 2 cores); rewrites ``docs/benchmarks.md`` and ``docs/img/``.
 - ``--quick``: a 7M GPT at world size 2 (and DDP at 1), fewer steps; under
   5 minutes; prints the report (``--report PATH`` writes it, with plots).
+- ``--peers``: the same model trained by hand-written torch, mmfsdp, accelerate,
+  Lightning Fabric and mmengine's FlexibleRunner side by side (:mod:`benchmarks.peers`).
 - ``--smoke``: the tiny GPT at world sizes 1-2, 2 steps, cases packed into one job
   per world size: checks the harness, not the machine (the test suite runs it).
 """
@@ -229,6 +231,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     modes = parser.add_mutually_exclusive_group(required=True)
     for mode in SUITES:
         modes.add_argument(f'--{mode}', dest='mode', action='store_const', const=mode)
+    modes.add_argument('--peers', dest='mode', action='store_const', const='peers',
+                       help='the peers side by side (python -m benchmarks.peers --help; the '
+                       'arguments after --peers go to it)')
     parser.add_argument('--out', help='results JSON (default: benchmarks/results/<mode>.json)')
     parser.add_argument('--resume', action='store_true',
                         help='keep the results already in --out and run only the missing jobs')
@@ -239,7 +244,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--only', choices=['memory', 'overhead', 'construction', 'checkpoint'],
                         help='run only the jobs of this kind (use with --out)')
     parser.add_argument('--repeats', type=int, help='separate processes per construction case')
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.mode == 'peers':
+        from . import peers
+        return peers.main(rest + (['--out', args.out] if args.out else []))
+    if rest:
+        parser.error(f'unrecognized arguments: {" ".join(rest)}')
     out = args.out or os.path.join(REPO, 'benchmarks', 'results', f'{args.mode}.json')
     data = run_suite(args.mode, out, args.resume, only=args.only, repeats=args.repeats)
     from .report import render, write_report

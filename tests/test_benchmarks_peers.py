@@ -1,0 +1,85 @@
+"""The peers benchmark's machinery (benchmarks/peers.py, peer_arms.py, peers_report.py).
+
+One real torchrun job of 2 processes (the tiny GPT, 3 steps) runs both kinds of
+case the benchmark runs: the memory case of mmfsdp FSDP1 alone, then the
+interleaved case of hand-written torch FSDP1 and mmfsdp FSDP1; the report's
+parsing then has to find the shard, the agreeing losses and one ratio per
+timed round. The third-party arms (accelerate, Lightning) are not run here:
+they are optional dependencies and their runs belong to ``python -m benchmarks.peers``.
+"""
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import peers, peers_report  # noqa: E402
+from benchmarks.launch import torchrun  # noqa: E402
+
+ARMS = ['torch FSDP1', 'mmfsdp FSDP1']
+STEPS, TIMED_FROM = 3, 1
+
+
+@pytest.fixture(scope='module')
+def tiny_run():
+    cases = peers.plan_cases('gpt-tiny', ARMS, STEPS, TIMED_FROM, batch_size=2, seq_len=16,
+                             memory_steps=2)
+    memory = [c for c in cases['memory'] if c['arms'] == ['mmfsdp FSDP1']]
+    results = torchrun(memory + [cases['interleaved']], nproc=2, timeout=240,
+                       exact_allocator=True)
+    return dict(mode='peers', nproc=2, results=results)
+
+
+def test_orchestrator_knows_every_arm():
+    """peers.py lists the arms without importing torch; the list must be peer_arms' own."""
+    from benchmarks import peer_arms
+    assert peers.ARM_LABELS == list(peer_arms.ARMS)
+    for label, arm in peer_arms.ARMS.items():
+        assert peers_report.family(label) == arm.family, label
+    with pytest.raises(ValueError, match='--arms'):
+        peers.plan_cases('gpt-tiny', ['torch FSDP3'], 2, 1, 2, 16, 2)
+
+
+def test_tiny_run_shards_agrees_and_times_every_round(tiny_run):
+    rows = {r['label']: r for r in peers_report.arm_rows(tiny_run)}
+    mine = rows['mmfsdp FSDP1']
+    assert mine['memory']['ok'] and mine['memory']['wrapper'] == 'MMFullyShardedDataParallel'
+    assert mine['sharded'], 'parameter storage per rank must be about half the model at N = 2'
+    assert mine['memory']['state']['max'] > 0 and mine['memory']['peak']['median'] > 0
+    # Same weights, same batches: the same losses on every rank, to float precision.
+    assert mine['loss_delta'] <= 1e-5
+    inter = tiny_run['results'][-1]['ranks']
+    for rank in inter:
+        assert rank['errors'] == {}
+        ref, got = rank['losses']['torch FSDP1'], rank['losses']['mmfsdp FSDP1']
+        assert len(ref) == STEPS and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5
+    assert mine['ratio']['n'] == STEPS - TIMED_FROM
+    lines = '\n'.join(peers_report.peers_lines(tiny_run, img_dir=None))
+    assert '| mmfsdp FSDP1 | FSDP1 | yes |' in lines
+
+
+def test_report_flags_arms_that_do_not_shard_or_fail():
+    """An FSDP arm whose parameters stay whole, and an arm that raised, are named as such
+    and left out of mmfsdp's goals."""
+    state = dict(params=400, grads=400, optimizer=800, total=1600)
+    half = dict(params=200, grads=200, optimizer=400, total=800)
+
+    def memory(arm, states, ok=True):
+        rank = (dict(ok=True, peaks=[3000, 3000], losses=[1.0, 1.0], states=states,
+                     wrapper='W', notes='') if ok else
+                dict(ok=False, stage='build', error='ValueError: only on GPU', where=['x.py:1 f']))
+        return dict(mode='memory', arms=[arm], model='gpt-tiny', params=100, batch_size=2,
+                    seq_len=16, steps=2, ranks=[rank, rank])
+
+    data = dict(mode='peers', nproc=2, results=[
+        memory('torch FSDP1', [half, half]), memory('mmfsdp FSDP1', [half, half]),
+        memory('accelerate FSDP1', [state, state]),
+        memory('Fabric FSDPStrategy', None, ok=False)])
+    rows = {r['label']: r for r in peers_report.arm_rows(data)}
+    assert rows['mmfsdp FSDP1']['sharded'] and not rows['accelerate FSDP1']['sharded']
+    text = '\n'.join(peers_report.peers_lines(data, img_dir=None))
+    assert 'does not shard' in text and '`ValueError: only on GPU`' in text
+    compared = [m for g, _, m, _ in peers_report.goals(list(rows.values()))]
+    assert compared and all('accelerate' not in m and 'Fabric' not in m for m in compared)
