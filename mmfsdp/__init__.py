@@ -7,10 +7,9 @@ the wrap policies and the demo workload, each under the scope ``'mmfsdp'``.
 from . import compat, demo, policies  # noqa: F401  (version check, registration)
 from .amp import AmpOptimWrapper
 from .registry import FSDP_WRAP_POLICIES
+from .release import __version__
 from .runner import FSDPRunner
 from .wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
-
-__version__ = '0.1.0'
 
 __all__ = [
     'AmpOptimWrapper', 'FSDPRunner', 'FSDP_WRAP_POLICIES', 'MMDistributedDataParallel',

@@ -13,12 +13,8 @@ import functools
 from typing import Any, Mapping, Optional, Tuple, Type
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 
+from .compat import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 from .options import check_keys, resolve_module_classes
 
 __all__ = ['resolve_activation_checkpointing', 'apply_activation_checkpointing_to']

@@ -27,6 +27,7 @@ from torch import nn
 
 from .options import wrapper_options
 from .protocol import is_parallel_wrapper
+from .release import __version__
 from .together import control_group
 
 __all__ = ['FIELDS', 'RankDisagreement', 'check_ranks_agree', 'fingerprint']
@@ -56,7 +57,6 @@ def _wrapper_lines(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> List[st
 def fingerprint(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[str, Any],
                 world_size: int) -> Dict[str, List[str]]:
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
-    from . import __version__
     spec = None
     if is_parallel_wrapper(wrapper_cls):
         spec = wrapper_cls.sharding_spec(wrapper_options(wrapper_cfg), model, world_size)

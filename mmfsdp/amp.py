@@ -14,7 +14,7 @@ Config (what ``tools/train.py --amp`` selects)::
                          optimizer=dict(type='AdamW', lr=1e-3))
 """
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
 
 import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from .compat import init_without_amp_checks, set_fixed_loss_scale
 from .dist import current_device
 from .options import check_keys, resolve_dtype
 from .protocol import ModelBinding
@@ -51,14 +52,14 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
                  loss_scale: Union[str, float, Dict[str, Any]] = 'dynamic',
                  dtype: Union[str, torch.dtype, None] = None,
                  **kwargs: Any) -> None:
-        OptimWrapper.__init__(self, **kwargs)  # mmengine's __init__ asserts CUDA
+        init_without_amp_checks(self, **kwargs)
         self.cast_dtype = resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
         self._device = current_device()
-        self._scale_update_param: Optional[float] = None
+        set_fixed_loss_scale(self, None)
         if loss_scale == 'dynamic':
             self._scaler_kwargs: Dict[str, Any] = {}
         elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-            self._scale_update_param = float(loss_scale)
+            set_fixed_loss_scale(self, float(loss_scale))
             self._scaler_kwargs = dict(init_scale=float(loss_scale))
         elif isinstance(loss_scale, dict):
             check_keys(loss_scale, _SCALER_KEYS, 'optim_wrapper.loss_scale')

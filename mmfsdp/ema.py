@@ -44,10 +44,10 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.fsdp._runtime_utils import _reshard as _fsdp1_reshard
 from torch.distributed.tensor import DTensor
 
 from .checkpoint.state import gather_full_state, load_full_model_state, sharded_state
+from .compat import fsdp1_reshard_if_gathered, resume_requested
 from .registry import HOOKS
 
 __all__ = ['EMA_SHARDS_KEY', 'EMAHook', 'configures_ema', 'ema_bytes_per_rank',
@@ -113,22 +113,8 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-        handle = getattr(module, '_handle', None) if isinstance(
-            module, FullyShardedDataParallel) else None
-        if handle is not None and handle.uses_sharded_strategy and _gathered(handle):
-            # FSDP1 has no public reshard; this is what its post-backward callback runs.
-            _fsdp1_reshard(module, handle, free_unsharded_flat_param=True)
-
-
-def _gathered(handle: Any) -> bool:
-    """Whether an FSDP1 handle holds gathered parameters (in use, or kept for the next forward).
-
-    The next forward reuses a gathered buffer that is still allocated instead
-    of gathering the shards again, so it must be freed after a write into them.
-    """
-    if not handle.is_sharded(handle.flat_param):
-        return True
-    return hasattr(handle.flat_param, '_full_param_padded') and not handle.needs_unshard()
+        if isinstance(module, FullyShardedDataParallel):
+            fsdp1_reshard_if_gathered(module)
 
 
 def _source_tensors(model: nn.Module, update_buffers: bool) -> Dict[str, torch.Tensor]:
@@ -317,7 +303,7 @@ class EMAHook(MMEngineEMAHook):
         """
         if 'state_dict' not in checkpoint:
             return
-        if not (runner._resume and 'ema_state_dict' in checkpoint):
+        if not (resume_requested(runner) and 'ema_state_dict' in checkpoint):
             self._restart_from_model(runner)
             return
         self._swap_ema_state_dict(checkpoint)  # stock: back to trained / averaged
@@ -342,7 +328,7 @@ class EMAHook(MMEngineEMAHook):
         if not _has_ema_shards(path):
             self._restart_from_model(runner)
             return
-        if not runner._resume:
+        if not resume_requested(runner):
             self._load_ema_shards(runner, path)
             self._restart_from_model(runner)
             return

@@ -7,21 +7,26 @@ and mmengine-style wrappers hold the model as their child ``module``, FSDP1 as
 that owns it is such a wrapper, so a model's own child called ``module``
 (``BaseTTAModel.module``, containers, user code) keeps its name.
 """
-from typing import Any, Dict, Iterator, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
 from mmengine.model import is_model_wrapper
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
+
+from .compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    FSDP_WRAPPED_MODULE,
+    ActivationWrapper,
+    registered_buffers,
+    registered_child,
+    registered_children,
+    registered_parameters,
+)
 
 __all__ = ['for_tta_model', 'model_state_names', 'module_tree', 'unwrapped_name',
            'unwrapped_named_parameters', 'unwrapped_param_names']
 
-#: The child name torch's FSDP1 gives the module it wraps.
-FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
-#: The child name torch's activation-checkpoint wrapper gives the module it wraps.
-CHECKPOINT_WRAPPED_MODULE = '_checkpoint_wrapped_module'
 
 
 def unwrapped_name(model: nn.Module, name: str) -> str:
@@ -36,7 +41,7 @@ def unwrapped_name(model: nn.Module, name: str) -> str:
     for component in path:
         if not _inserted_by_wrapper(module, component):
             kept.append(component)
-        module = module._modules[component]
+        module = registered_child(module, component)
     return '.'.join(kept + [leaf])
 
 
@@ -55,15 +60,16 @@ def module_tree(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
             continue
         seen.add(id(module))
         yield path, module
-        children = [(f'{path}.{n}' if path else n, c) for n, c in module._modules.items()
+        children = [(f'{path}.{n}' if path else n, c) for n, c in registered_children(module)
                     if c is not None]
         stack.extend(reversed(children))
 
 
-def _tree_members(model: nn.Module, kind: str) -> Iterator[Tuple[str, Any]]:
+def _tree_members(model: nn.Module, kind: Callable[[nn.Module], List[Tuple[str, Any]]]
+                  ) -> Iterator[Tuple[str, Any]]:
     seen: Set[int] = set()
     for path, module in module_tree(model):
-        for name, tensor in getattr(module, kind).items():
+        for name, tensor in kind(module):
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield (f'{path}.{name}' if path else name), tensor
@@ -71,7 +77,7 @@ def _tree_members(model: nn.Module, kind: str) -> Iterator[Tuple[str, Any]]:
 
 def unwrapped_named_parameters(model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every parameter, named as in the unwrapped model."""
-    for name, param in _tree_members(model, '_parameters'):
+    for name, param in _tree_members(model, registered_parameters):
         yield unwrapped_name(model, name), param
 
 
@@ -82,7 +88,7 @@ def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
 
 def model_state_names(model: nn.Module) -> Set[str]:
     """The names of the parameters and buffers of ``model``, as the unwrapped model's."""
-    buffers = (unwrapped_name(model, n) for n, _ in _tree_members(model, '_buffers'))
+    buffers = (unwrapped_name(model, n) for n, _ in _tree_members(model, registered_buffers))
     return set(unwrapped_param_names(model).values()).union(buffers)
 
 

@@ -15,19 +15,20 @@ this rank's shard, and a rank without local gradients skips it.
 parameters by their norm over all ranks (:mod:`mmfsdp.clip`).
 """
 import functools
-from typing import Dict
+from typing import Any, Dict
 
-import torch
 from mmengine.optim import OptimWrapper
 from torch import nn
 
 from .clip import clip_grads_by_global_norm
+from .compat import norm_clip_options, replace_grad_clipping
 from .names import unwrapped_named_parameters
 from .optim_wrappers import AnyOptimWrapper, optim_wrappers
 from .protocol import ModelBinding
 
 __all__ = ['bind_optim_wrappers', 'clip_by_global_norm',
            'retarget_parameters']
+
 
 def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
                         wrapped: nn.Module) -> None:
@@ -67,21 +68,22 @@ def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
     and stays as mmengine does it.
     """
     for wrapper in optim_wrappers(optim_wrapper):
-        if getattr(wrapper, 'clip_func', None) is not torch.nn.utils.clip_grad_norm_:
+        options = norm_clip_options(wrapper)
+        if options is None:
             continue
-        unsupported = set(wrapper.clip_grad_kwargs) - {'max_norm', 'norm_type'}
+        unsupported = set(options) - {'max_norm', 'norm_type'}
         if unsupported:
             raise ValueError(f'optim_wrapper.clip_grad: {sorted(unsupported)} not supported with '
                              f'{type(model).__name__}; valid keys are max_norm, norm_type')
-        # mmengine's OptimWrapper.step calls this private method; its own version skips the
-        # clip on a rank without local gradients, and the global norm is a collective.
-        wrapper._clip_grad = functools.partial(_clip_own_parameters, wrapper, model)
+        replace_grad_clipping(wrapper, functools.partial(_clip_own_parameters, wrapper, model,
+                                                          options))
 
 
-def _clip_own_parameters(wrapper: OptimWrapper, model: nn.Module) -> None:
+def _clip_own_parameters(wrapper: OptimWrapper, model: nn.Module,
+                         options: Dict[str, Any]) -> None:
     params = [p for group in wrapper.optimizer.param_groups for p in group['params']
               if p.requires_grad]
     if not params:
         return
-    norm = clip_grads_by_global_norm(model, params, **wrapper.clip_grad_kwargs)
+    norm = clip_grads_by_global_norm(model, params, **options)
     wrapper.message_hub.update_scalar('train/grad_norm', float(norm))

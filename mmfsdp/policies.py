@@ -8,8 +8,9 @@ torch's FSDP1 ``auto_wrap_policy`` callables have::
 ``recurse=True`` asks "look inside ``module``?", ``recurse=False`` asks "make
 ``module`` a unit?", and ``nonwrapped_numel`` counts the parameters of
 ``module`` not already claimed by a unit below it. :func:`plan_units` walks a
-model with exactly the semantics FSDP1 applies, so FSDP2 (which has no
-auto-wrap of its own) and the validation here see the same units FSDP1 builds.
+model with the semantics of FSDP1's recursive wrapping; it is the one walk:
+FSDP1 wraps exactly the units it names (:func:`planned_policy`), FSDP2 shards
+them, and the sharding plan reports them.
 
 Policies are registered in :data:`mmfsdp.registry.FSDP_WRAP_POLICIES` and named
 in configs::
@@ -33,8 +34,8 @@ from torch import nn
 from .options import resolve_module_classes, suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units', 'size_based',
-           'transformer']
+__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units', 'planned_policy',
+           'size_based', 'transformer']
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
@@ -83,7 +84,7 @@ def size_based(module: nn.Module, recurse: bool, nonwrapped_numel: int,
 def transformer(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                 layer_cls: Tuple[Type[nn.Module], ...]) -> bool:
     """Make a unit of every instance of ``layer_cls`` (e.g. the transformer block)."""
-    return recurse or isinstance(module, layer_cls)
+    return module_types(module, recurse, nonwrapped_numel, module_cls=layer_cls)
 
 
 @FSDP_WRAP_POLICIES.register_module()
@@ -193,3 +194,17 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
 
     visit(model, '', True)
     return units
+
+
+def planned_policy(model: nn.Module, policy: WrapPolicy) -> WrapPolicy:
+    """FSDP1's ``auto_wrap_policy`` that wraps exactly the units :func:`plan_units` names.
+
+    FSDP1 then executes the plan instead of walking the model a second time
+    with its own arithmetic, so the units it builds are the ones reported.
+    """
+    units = frozenset(id(model.get_submodule(name)) for name in plan_units(model, policy))
+
+    def is_planned_unit(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or id(module) in units
+
+    return is_planned_unit

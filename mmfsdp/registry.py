@@ -21,7 +21,6 @@ Importing this module also lets configs of other projects inherit ours with
 :func:`register_config_package`).
 """
 from mmengine import registry as mmengine_registry
-from mmengine.config.utils import MODULE2PACKAGE
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import METRICS as MMENGINE_METRICS
@@ -30,6 +29,8 @@ from mmengine.registry import MODELS as MMENGINE_MODELS
 from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
 from mmengine.registry import Registry
+
+from .compat import register_config_package as register_package
 
 __all__ = [
     'DATASETS', 'FSDP_WRAP_POLICIES', 'HOOKS', 'METRICS', 'MODELS',
@@ -90,7 +91,7 @@ def register_config_package() -> None:
     does not exist; the import system knows where the package really is, for
     regular and editable installs and for ``PYTHONPATH`` alike.
     """
-    MODULE2PACKAGE.setdefault(SCOPE, f'{SCOPE}.registry')
+    register_package(SCOPE, f'{SCOPE}.registry')
 
 
 register_config_package()

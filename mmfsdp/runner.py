@@ -23,6 +23,7 @@ from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
+from .compat import RunnerSteps, load_from, resume_requested
 from .dist import (
     atexit_destroy_process_group,
     current_device,
@@ -60,7 +61,7 @@ DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
 
 
 @RUNNERS.register_module()
-class FSDPRunner(CheckpointMixin, Runner):
+class FSDPRunner(CheckpointMixin, RunnerSteps):
     """A drop-in mmengine ``Runner`` that trains sharded models correctly.
 
     Same constructor, config keys and loops as ``Runner``. It changes only what
@@ -212,7 +213,7 @@ class FSDPRunner(CheckpointMixin, Runner):
         if self._meta_init:
             self._check_before_wrapping(model)
             self.model = model
-            loads = self._load_from is not None or bool(self._resume)
+            loads = load_from(self) is not None or resume_requested(self)
             with defer_check(loads) as pending, \
                     allow_unsafe_pretrained(bool(self.cfg.get(UNSAFE_SWITCH, False))):
                 self._wrap()
@@ -250,14 +251,14 @@ class FSDPRunner(CheckpointMixin, Runner):
         with self._preconditions.phase('train'):
             return super().train()
 
-    def _init_model_weights(self) -> None:
+    def init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
         if self._staged and not self._meta_init:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
                 model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
         elif not self._meta_init:
-            super()._init_model_weights()
+            super().init_model_weights()
         self._preconditions.weights_ready()
 
     def load_or_resume(self) -> None:

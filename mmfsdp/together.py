@@ -47,7 +47,10 @@ def control_group(timeout_s: Optional[float] = None) -> Optional[dist.ProcessGro
     Groups are created at the first call, which every rank makes at the same
     point, and reused.
     """
-    default = dist.distributed_c10d._get_default_group()  # why: one side group per default group
+    if not dist.is_initialized():
+        raise ValueError('control_group needs the default process group: call '
+                         'init_process_group first')
+    default = dist.group.WORLD  # one side group per default group
     key = (default, timeout_s)
     if key not in _GROUPS:
         if timeout_s is None and dist.get_backend() == 'gloo':

@@ -17,9 +17,9 @@ import shutil
 from typing import Optional, Pattern, Tuple
 
 from mmengine.dist import is_main_process
-from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 from mmengine.logging import MMLogger
 
+from ..compat import CheckpointHookSteps
 from ..registry import HOOKS
 from ..together import fail_together
 from .durable import write_text_atomically
@@ -29,7 +29,7 @@ __all__ = ['CheckpointHook']
 
 
 @HOOKS.register_module()
-class CheckpointHook(MMEngineCheckpointHook):
+class CheckpointHook(CheckpointHookSteps):
     """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete."""
 
     def before_train(self, runner) -> None:
@@ -52,17 +52,18 @@ class CheckpointHook(MMEngineCheckpointHook):
         finally:
             logger.removeFilter(notices)
 
-    def _save_checkpoint_with_step(self, runner, step, meta) -> None:
+    def save_checkpoint_with_step(self, runner, step, meta) -> None:
+        """The stock bookkeeping and save, then repoint, then delete the expired checkpoint."""
         expired = None
-        if self.max_keep_ckpts > 0 and not (self.keep_ckpt_ids
-                                            and self.keep_ckpt_ids[-1] == step):
-            if len(self.keep_ckpt_ids) == self.max_keep_ckpts:
-                expired = self.keep_ckpt_ids.popleft()
-            self.keep_ckpt_ids.append(step)
-            runner.message_hub.update_info('keep_ckpt_ids', list(self.keep_ckpt_ids))
+        if self.max_keep_ckpts > 0 and not (self.kept_steps and self.kept_steps[-1] == step):
+            kept = self.kept_steps
+            if len(kept) == self.max_keep_ckpts:
+                expired = kept.popleft()
+            kept.append(step)
+            runner.message_hub.update_info('keep_ckpt_ids', list(kept))
 
-        filename = self.filename_tmpl.format(step)
-        self.last_ckpt = self.file_backend.join_path(self.out_dir, filename)
+        filename = self.checkpoint_name(step)
+        self.last_ckpt = self.checkpoint_path(filename)
         runner.message_hub.update_info('last_ckpt', self.last_ckpt)
         runner.save_checkpoint(
             self.out_dir,
@@ -73,17 +74,16 @@ class CheckpointHook(MMEngineCheckpointHook):
             meta=meta,
             by_epoch=self.by_epoch,
             backend_args=self.backend_args,
-            **self.args)
+            **self.save_kwargs)
         pointer = os.path.join(runner.work_dir, 'last_checkpoint')
         with fail_together(f'updating {pointer} after saving {filename}'):
             if is_main_process():
                 write_text_atomically(self.last_ckpt, pointer)
                 if expired is not None:
-                    _remove(self.file_backend.join_path(self.out_dir,
-                                                        self.filename_tmpl.format(expired)))
+                    _remove(self.checkpoint_path(self.checkpoint_name(expired)))
                 self._remove_orphans(runner)
 
-    def _save_best_checkpoint(self, runner, metrics) -> None:
+    def save_best_checkpoint(self, runner, metrics) -> None:
         """The stock ``save_best``, saved like every other checkpoint, new before old.
 
         The stock hook saves the best checkpoint without the hook's extra
@@ -97,7 +97,7 @@ class CheckpointHook(MMEngineCheckpointHook):
         step, unit = (runner.epoch, 'epoch') if self.by_epoch else (runner.iter, 'iter')
         meta = dict(epoch=runner.epoch, iter=runner.iter)
         if 'auto' in self.key_indicators:
-            self._init_rule(self.rules, [next(iter(metrics))])
+            self.init_rule(self.rules, [next(iter(metrics))])
         single = len(self.key_indicators) == 1
         updated = False
         for indicator, rule in zip(self.key_indicators, self.rules):
@@ -109,8 +109,8 @@ class CheckpointHook(MMEngineCheckpointHook):
             updated = True
             runner.message_hub.update_info(score_key, score)
             previous = self.best_ckpt_path if single else self.best_ckpt_path_dict[indicator]
-            name = f'best_{indicator}_{self.filename_tmpl.format(step)}'.replace('/', '_')
-            path = self.file_backend.join_path(self.out_dir, name)
+            name = f'best_{indicator}_{self.checkpoint_name(step)}'.replace('/', '_')
+            path = self.checkpoint_path(name)
             if single:
                 self.best_ckpt_path = path
             else:
@@ -120,7 +120,7 @@ class CheckpointHook(MMEngineCheckpointHook):
             runner.save_checkpoint(self.out_dir, filename=name,
                                    file_client_args=self.file_client_args, save_optimizer=False,
                                    save_param_scheduler=False, meta=meta, by_epoch=False,
-                                   backend_args=self.backend_args, **self.args)
+                                   backend_args=self.backend_args, **self.save_kwargs)
             with fail_together(f'removing the previous best checkpoint {previous}'):
                 if is_main_process() and previous and previous != path:
                     _remove(previous)
@@ -130,9 +130,9 @@ class CheckpointHook(MMEngineCheckpointHook):
         # As mmengine: save the regular checkpoint again, so that the message hub
         # it holds names the current best (resuming must be able to remove it).
         if updated and self.last_ckpt is not None:
-            self._save_checkpoint_with_step(runner, step, meta)
+            self.save_checkpoint_with_step(runner, step, meta)
 
-    def _publish_model(self, runner, ckpt_path: str) -> None:
+    def publish_model(self, runner, ckpt_path: str) -> None:
         """Publish a full file or a sharded directory (:func:`~.publish.publish`)."""
         with fail_together(f'publishing {ckpt_path}'):
             if is_main_process():
@@ -152,12 +152,12 @@ class CheckpointHook(MMEngineCheckpointHook):
         ``keep_ckpt_ids`` no longer lists them, so nothing else would ever
         delete them.
         """
-        if self.max_keep_ckpts <= 0 or not self.keep_ckpt_ids:
+        if self.max_keep_ckpts <= 0 or not self.kept_steps:
             return
-        step = _step_pattern(self.filename_tmpl)
+        step = _step_pattern(self.name_template)
         if step is None or not os.path.isdir(self.out_dir):
             return
-        oldest = self.keep_ckpt_ids[0]
+        oldest = self.kept_steps[0]
         for name in os.listdir(self.out_dir):
             match = step.fullmatch(name)
             if match and int(match.group(1)) < oldest:

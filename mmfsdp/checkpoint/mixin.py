@@ -16,6 +16,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 from mmengine.hooks import EMAHook as MMEngineEMAHook
 
+from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
 from ..together import control_group, fail_together
@@ -202,7 +203,7 @@ class CheckpointMixin:
             load_full_model_state(self.model, {k: state[saved] for k, saved
                                                in match.loaded.items()}, strict=False)
         self._loaded_checkpoint = (filename, checkpoint)
-        self._has_loaded = True
+        mark_checkpoint_loaded(self)
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
 
@@ -234,7 +235,7 @@ class CheckpointMixin:
         latest checkpoint for the newest complete one before it, with a warning
         (:mod:`.integrity`).
         """
-        if getattr(self, '_load_from', None) is None:
+        if load_from(self) is None:
             filename = self._complete_checkpoint(filename)
         self._resuming = True
         try:

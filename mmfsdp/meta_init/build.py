@@ -21,7 +21,7 @@ uninitialised is tracked by a dispatch mode that sees every operator of the
 constructor.
 """
 import contextlib
-import sys
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Union
@@ -29,7 +29,16 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Tuple,
 import torch
 from mmengine.registry import MODELS
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compat import (
+    PRIVATE_INITIALISERS,
+    TorchDispatchMode,
+    argument_names,
+    operator_name,
+    replace_registered,
+    storage_key,
+    written_arguments,
+)
 
 __all__ = ['RECORD_LIMIT_BYTES', 'Recorded', 'build_on_meta', 'empty_weights', 'recorded']
 
@@ -77,11 +86,11 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 #: Functions whose writes materialisation replays (``reset_parameters`` and
 #: ``init_weights`` run again there).
-_REPLAYED = frozenset({'reset_parameters', '_reset_parameters', 'init_weights', '_init_weights'})
+_REPLAYED = frozenset({'reset_parameters', *PRIVATE_INITIALISERS, 'init_weights', '_init_weights'})
 
 
 def _replayed() -> bool:
-    frame = sys._getframe(2)
+    frame = inspect.currentframe().f_back.f_back  # the caller's caller
     while frame is not None:
         if frame.f_code.co_name in _REPLAYED:
             return True
@@ -105,10 +114,10 @@ class _ConstructionWatch(TorchDispatchMode):
 
     def watch(self, module: nn.Module, name: str, meta: torch.Tensor) -> None:
         """Report writes into ``meta``, registered as ``module.<name>``."""
-        self.registered[meta.untyped_storage()._cdata] = (weakref.ref(module), name)
+        self.registered[storage_key(meta)] = (weakref.ref(module), name)
 
     def _wrote_meta(self, tensor: torch.Tensor) -> None:
-        owner = self.registered.get(tensor.untyped_storage()._cdata)
+        owner = self.registered.get(storage_key(tensor))
         module = owner[0]() if owner else None
         if module is not None and not _replayed():
             _RECORDS.setdefault(module, {})[owner[1]] = Recorded(None, 'written after registration')
@@ -119,10 +128,8 @@ class _ConstructionWatch(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
-        schema = func._schema
-        written = [a.name for a in schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write]
-        values = dict(zip((a.name for a in schema.arguments), args), **kwargs)
+        written = written_arguments(func)
+        values = dict(zip(argument_names(func), args), **kwargs)
         for name in written:
             value = values.get(name)
             if isinstance(value, torch.Tensor):
@@ -134,7 +141,7 @@ class _ConstructionWatch(TorchDispatchMode):
         for result in results:
             if isinstance(result, torch.Tensor) and result.numel():
                 key = _storage_key(result)
-                if schema.name in _EMPTY_OPS:
+                if operator_name(func) in _EMPTY_OPS:
                     self.unset.add(key)
                 else:  # a fresh result, or a storage reused after a free
                     self.unset.discard(key)
@@ -177,8 +184,9 @@ def empty_weights(record: bool = True) -> Iterator[None]:
         if (param is not None and not param.is_meta
                 and not isinstance(param, nn.parameter.UninitializedParameter)):
             _record(module, name, param, unset, record)
-            module._parameters[name] = _meta_parameter(param)
-            unset.watch(module, name, module._parameters[name])
+            meta = _meta_parameter(param)
+            replace_registered(module, name, meta)
+            unset.watch(module, name, meta)
 
     def to_meta_buffer(module: nn.Module, name: str, tensor: Optional[torch.Tensor],
                        persistent: bool = True) -> None:
@@ -186,8 +194,9 @@ def empty_weights(record: bool = True) -> Iterator[None]:
         if (tensor is not None and not tensor.is_meta
                 and not isinstance(tensor, nn.parameter.UninitializedBuffer)):
             _record(module, name, tensor, unset, record)
-            module._buffers[name] = tensor.detach().to('meta')
-            unset.watch(module, name, module._buffers[name])
+            meta = tensor.detach().to('meta')
+            replace_registered(module, name, meta)
+            unset.watch(module, name, meta)
 
     nn.Module.register_parameter = to_meta_parameter
     nn.Module.register_buffer = to_meta_buffer

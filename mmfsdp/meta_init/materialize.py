@@ -37,6 +37,7 @@ from mmengine.model import BaseDataPreprocessor
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..compat import convert_tensors, direct_tensor, direct_tensors, initialiser
 from .build import forget, recorded
 from .pretrained import check_init_cfgs, local_part, sharded_pretrained
 from .written import (
@@ -98,7 +99,7 @@ def _modules_with_meta(model: nn.Module) -> Set[int]:
 
     def visit(module: nn.Module) -> bool:
         own = any(t is not None and t.is_meta
-                  for t in [*module._parameters.values(), *module._buffers.values()])
+                  for _, t in direct_tensors(module))
         below = [visit(child) for child in module.children()]
         if own or any(below):
             found.add(id(module))
@@ -115,7 +116,7 @@ def _restore_recorded(model: nn.Module, names: Set[str]) -> None:
     for module_name, module in model.named_modules():
         prefix = f'{module_name}.' if module_name else ''
         for name, entry in recorded(module).items():
-            tensor = module._parameters.get(name, module._buffers.get(name))
+            tensor = direct_tensor(module, name)
             if entry.value is None or tensor is None or prefix + name not in names:
                 continue
             local_tensor(tensor).copy_(local_part(entry.value, tensor))
@@ -127,10 +128,8 @@ def _reset_in_constructor_order(module: nn.Module, targets: Set[int]) -> None:
         return
     for child in module.children():
         _reset_in_constructor_order(child, targets)
-    reset = getattr(module, 'reset_parameters', None)
-    if not callable(reset):
-        reset = getattr(module, '_reset_parameters', None)
-    if callable(reset):
+    reset = initialiser(module)
+    if reset is not None:
         reset()
 
 
@@ -162,7 +161,7 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
     for module_name, module in model.named_modules():
         prefix = f'{module_name}.' if module_name else ''
         why.update({prefix + n: e.missing for n, e in recorded(module).items()})
-    model._apply(lambda t: _to_device(t, device))
+    convert_tensors(model, lambda t: _to_device(t, device))
     set_preprocessor_device(model, device)
     tensors = named_tensors(model)
     fill_sentinel([tensors[name][0] for name in owners])

@@ -30,9 +30,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 import torch
 from mmengine.logging import print_log
 from mmengine.model import BaseModule
-from mmengine.model.weight_init import PretrainedInit, update_init_info
+from mmengine.model.weight_init import PretrainedInit
 from torch import nn
 
+from ..compat import pretrained_init_calls, record_init_info
 from .written import class_name, local_tensor
 
 __all__ = ['SHARD_SAFE_INIT_TYPES', 'check_init_cfgs', 'load_pretrained', 'local_part',
@@ -160,19 +161,14 @@ def sharded_pretrained(allow_unsafe: Optional[bool] = None) -> Iterator[None]:
         print_log(f'load {self.prefix or "model"} from {self.checkpoint} (sharded)',
                   logger='current')
         load_pretrained(module, self.checkpoint, self.prefix, cache)
-        if hasattr(module, '_params_init_info'):
-            update_init_info(module, init_info=self._get_init_info())
+        record_init_info(self, module)
 
-    # mmengine calls PretrainedInit from inside BaseModule.init_weights; replacing
-    # its __call__ for the duration keeps mmengine's order of initialisers.
-    original = PretrainedInit.__call__
-    PretrainedInit.__call__ = call
     token = _ALLOW_UNSAFE.set(bool(allow_unsafe) if allow_unsafe is not None
                               else _ALLOW_UNSAFE.get())
     try:
-        yield
+        with pretrained_init_calls(call):
+            yield
     finally:
-        PretrainedInit.__call__ = original
         _ALLOW_UNSAFE.reset(token)
 
 

@@ -21,7 +21,15 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    FSDP_WRAPPED_MODULE,
+    TorchDispatchMode,
+    argument_names,
+    direct_tensors,
+    written_arguments,
+)
 
 __all__ = ['Unwritten', 'UnwrittenTensorsError', 'WriteTracker', 'agree_on_unwritten',
            'defer_check', 'deferred', 'fill_sentinel', 'local_tensor', 'unwritten']
@@ -80,14 +88,12 @@ class WriteTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        arguments = func._schema.arguments
-        values = dict(zip((a.name for a in arguments), args), **kwargs)
-        for a in arguments:
-            if a.alias_info is not None and a.alias_info.is_write:
-                value = values.get(a.name)
-                for t in value if isinstance(value, (list, tuple)) else (value, ):
-                    if isinstance(t, torch.Tensor):
-                        self.written.add(_storage(t))
+        values = dict(zip(argument_names(func), args), **kwargs)
+        for name in written_arguments(func):
+            value = values.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value, ):
+                if isinstance(t, torch.Tensor):
+                    self.written.add(_storage(t))
         return func(*args, **kwargs)
 
     def wrote(self, tensor: torch.Tensor) -> bool:
@@ -100,7 +106,7 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 #: Module names that FSDP1 and activation checkpointing insert.
-_WRAPPER_TOKENS = frozenset({'_fsdp_wrapped_module', '_checkpoint_wrapped_module'})
+_WRAPPER_TOKENS = frozenset({FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE})
 
 
 def class_name(module: nn.Module) -> str:
@@ -121,7 +127,7 @@ def named_tensors(model: nn.Module) -> Dict[str, Tuple[torch.Tensor, str]]:
     for module_name, module in model.named_modules():
         module_name = '.'.join(t for t in module_name.split('.') if t not in _WRAPPER_TOKENS)
         prefix = f'{module_name}.' if module_name else ''
-        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        for name, tensor in direct_tensors(module):
             if tensor is not None:
                 out.setdefault(prefix + name, (tensor, class_name(module)))
     return out

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Type, TypeVar, Union
 import torch
 from torch import nn
 
-__all__ = ['check_keys', 'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum',
+__all__ = ['check_keys', 'option_dict', 'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum',
            'resolve_flag', 'resolve_module_classes', 'suggest', 'wrapper_options']
 
 E = TypeVar('E', bound=enum.Enum)
@@ -58,6 +58,14 @@ def check_keys(given: Mapping[str, Any], valid: Iterable[str], key: str) -> None
         bad = unknown[0]
         raise TypeError(f'{key}: unknown key {bad!r}{suggest(bad, valid)}; '
                         f'valid keys are {_choices(valid)}')
+
+
+def option_dict(value: Any, valid: Iterable[str], key: str, expected: str) -> Mapping[str, Any]:
+    """``value``, a dict of options under ``key``; ``TypeError`` naming ``expected`` otherwise."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f'{key}: expected {expected}, got {type(value).__name__} {value!r}')
+    check_keys(value, valid, key)
+    return value
 
 
 def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[torch.dtype]:

@@ -10,7 +10,8 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from .common import check_keys, resolve_dtypes_and_flags, resolve_flag, suggest
+from ..compat import HYBRID_SHARD_ZERO2
+from .common import option_dict, resolve_dtypes_and_flags, resolve_flag, suggest
 from .fsdp1 import resolve_sharding_strategy
 
 __all__ = ['FSDP1_ONLY_OPTIONS', 'MeshSpec', 'NODE', 'reject_fsdp1_options', 'resolve_init_device',
@@ -97,17 +98,12 @@ def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, 
     ``cpu_offload=True`` keeps sharded parameters, gradients and optimizer
     state on the CPU (``CPUOffloadPolicy``); ``pin_memory`` needs an accelerator.
     """
-    if value is None or value is False:
-        return OffloadPolicy()
-    if value is True:
-        return CPUOffloadPolicy()
     if isinstance(value, OffloadPolicy):
         return value
-    if not isinstance(value, Mapping):
-        raise TypeError('model_wrapper_cfg.offload: '
-                        'expected dict(cpu_offload=..., pin_memory=...), True/False '
-                        f'or an OffloadPolicy, got {type(value).__name__} {value!r}')
-    check_keys(value, ('cpu_offload', 'pin_memory'), 'model_wrapper_cfg.offload')
+    if value is None or isinstance(value, bool):
+        return CPUOffloadPolicy() if value else OffloadPolicy()
+    option_dict(value, ('cpu_offload', 'pin_memory'), 'model_wrapper_cfg.offload',
+                'dict(cpu_offload=..., pin_memory=...), True/False or an OffloadPolicy')
     pin_memory = resolve_flag(value.get('pin_memory', True), 'model_wrapper_cfg.offload.pin_memory')
     if not resolve_flag(value.get('cpu_offload', False), 'model_wrapper_cfg.offload.cpu_offload'):
         if 'pin_memory' in value:
@@ -190,10 +186,8 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
         return MeshSpec()
     if isinstance(value, MeshSpec):
         return value
-    if not isinstance(value, Mapping):
-        raise TypeError('model_wrapper_cfg.mesh: expected dict(replicate=..., shard=...), got '
-                        f'{type(value).__name__} {value!r}')
-    check_keys(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh')
+    option_dict(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh',
+                'dict(replicate=..., shard=...)')
     return MeshSpec(
         replicate=_mesh_size(value.get('replicate', 1), 'model_wrapper_cfg.mesh.replicate', False),
         shard=_mesh_size(value.get('shard', -1), 'model_wrapper_cfg.mesh.shard', True))
@@ -216,7 +210,7 @@ def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bo
         ShardingStrategy.FULL_SHARD: (True, False),
         ShardingStrategy.SHARD_GRAD_OP: (False, False),
         ShardingStrategy.HYBRID_SHARD: (True, True),
-        ShardingStrategy._HYBRID_SHARD_ZERO2: (False, True),
+        HYBRID_SHARD_ZERO2: (False, True),
     }[strategy]
 
 

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..activation_checkpointing import resolve_activation_checkpointing
+from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import current_device
 from ..options import (
     MeshSpec,
@@ -164,8 +165,7 @@ class FSDPConfig(WrapperConfig):
     @property
     def hybrid(self) -> bool:
         """Whether the strategy replicates across nodes and shards within each."""
-        return self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD,
-                                          ShardingStrategy._HYBRID_SHARD_ZERO2)
+        return self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2)
 
     def check_device(self, device: torch.device) -> None:
         """Raise on options the training device cannot honour.

@@ -9,6 +9,7 @@ from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..dist import current_device
 from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
 from ..plan.spec import ShardingSpec
+from ..policies import planned_policy
 from ..registry import MODEL_WRAPPERS
 from .config import FSDPConfig
 from .configured import ConfiguredWrapper
@@ -94,7 +95,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Co
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
-            auto_wrap_policy=policy,
+            auto_wrap_policy=planned_policy(module, policy) if policy else None,
             backward_prefetch=cfg.backward_prefetch,
             mixed_precision=cfg.mixed_precision,
             cpu_offload=cfg.cpu_offload,

@@ -12,11 +12,11 @@ Why the call stack: neither runner offers a hook that runs before it builds
 the wrapper, and both call the constructor exactly as a user building the
 wrapper by hand does, so the builder can only be told apart by who is calling.
 """
-import sys
-from types import FrameType
 from typing import Optional
 
 from mmengine.runner import FlexibleRunner, Runner
+
+from ..compat import call_stack
 
 __all__ = ['reject_stock_runner']
 
@@ -32,14 +32,13 @@ _WHY = {
 }
 
 
-def _refusing_runner(frame: Optional[FrameType]) -> Optional[str]:
-    """Which refused runner builds the wrapper, looking from ``frame`` outwards (or ``None``)."""
-    while frame is not None:
+def _refusing_runner() -> Optional[str]:
+    """Which refused runner builds the wrapper, looking from the caller outwards (or ``None``)."""
+    for frame in call_stack():
         if frame.f_code is _STOCK_WRAP_MODEL:
             return 'Runner'
         if isinstance(frame.f_locals.get('self'), FlexibleRunner):
             return 'FlexibleRunner'
-        frame = frame.f_back
     return None
 
 
@@ -51,7 +50,7 @@ def reject_stock_runner(wrapper_name: str) -> None:
     is wrapping the model; a ``FlexibleRunner`` method on the stack is building
     it through its strategy.
     """
-    runner = _refusing_runner(sys._getframe(1))
+    runner = _refusing_runner()
     if runner is not None:
         raise RuntimeError(
             f'{wrapper_name} cannot be used with {_WHY[runner]}; set '

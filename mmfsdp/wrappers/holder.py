@@ -22,16 +22,18 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ..compat import DCPNameHook
+
 __all__ = ['ModelHolder']
 
 
-class ModelHolder(nn.Module):
+class ModelHolder(DCPNameHook, nn.Module):
     """Base of wrappers that hold the model in ``self.module`` (set by the subclass)."""
 
     module: nn.Module
 
-    # ``torch.distributed.checkpoint.state_dict`` maps each name to a module path
-    # through ``_fqn_modifiers`` (it strips only DDP's and FSDP1's prefixes).
+    # ``torch.distributed.checkpoint.state_dict`` maps each name to a module path,
+    # stripping only DDP's, FSDP1's and :meth:`dropped_name_components`' prefixes.
     # With ``recurse=False`` the wrapper reports what it owns itself: nothing.
 
     def named_parameters(self, prefix: str = '', recurse: bool = True,
@@ -67,5 +69,6 @@ class ModelHolder(nn.Module):
         """Load a state dict keyed like the unwrapped model."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def _fqn_modifiers(self) -> Dict[str, str]:
+    def dropped_name_components(self) -> Dict[str, str]:
+        """Every child of the model is reached through ``module``, which names leave out."""
         return {name: 'module' for name, _ in self.module.named_children()}

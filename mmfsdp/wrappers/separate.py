@@ -69,10 +69,11 @@ class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder):
     """
 
     def __init__(self, module: nn.Module, **config: Any) -> None:
-        from .fsdp import MMFullyShardedDataParallel  # which builds this class
+        # By name: MMFullyShardedDataParallel builds this class (no import cycle).
+        root_cls = MODEL_WRAPPERS.get('MMFullyShardedDataParallel')
         super().__init__()
         for name in separate_roots(module, 'mmfsdp.MMFullyShardedDataParallel'):
-            module._modules[name] = MMFullyShardedDataParallel(module._modules[name], **config)
+            module.register_module(name, root_cls(module.get_submodule(name), **config))
         self.module = module
 
     def roots(self) -> List[nn.Module]:

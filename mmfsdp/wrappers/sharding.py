@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..activation_checkpointing import apply_activation_checkpointing_to
+from ..compat import checkpoint_inner
 from ..policies import WrapPolicy, plan_units
 from ..tied import merge_units_sharing_parameters
 
@@ -41,8 +42,8 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, policy: Optional[WrapPolicy
     targets = [module.get_submodule(name) for name in units]
     root_modules = [module.get_submodule(name) for name in roots or ()]
     apply_activation_checkpointing_to(module, checkpoint_layers)
-    outer = {id(m._checkpoint_wrapped_module): m for m in module.modules()
-             if hasattr(m, '_checkpoint_wrapped_module')}
+    outer = {id(checkpoint_inner(m)): m for m in module.modules()
+             if checkpoint_inner(m) is not None}
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy,
                               offload_policy=offload_policy)
     for target in targets:

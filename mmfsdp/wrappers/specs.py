@@ -6,6 +6,7 @@ shards with (:mod:`mmfsdp.plan.spec`), without sharding anything.
 from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 
+from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import local_world_size
 from ..options import NODE
 from ..plan.spec import Construction, Padding, ShardingSpec
@@ -34,7 +35,7 @@ def fsdp1_spec(cfg: FSDPConfig, module: nn.Module, world_size: int) -> ShardingS
         padding=Padding.FLAT if sharded else Padding.NONE,
         shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
         keep_gathered_until_backward=sharded and strategy in (
-            ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2),
+            ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
         compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None,
         construction=Construction.UNIT_BY_UNIT)
 

@@ -10,7 +10,7 @@ the first training step.
 import re
 from typing import Tuple
 
-__all__ = ['MIN_TORCH', 'check_torch_version', 'enable_cpu_huge_pages', 'parse_version']
+__all__ = ['MIN_TORCH', 'check_installed_torch', 'check_torch_version', 'parse_version']
 
 #: The oldest torch release mmfsdp supports (also in requirements.txt and the README).
 MIN_TORCH: Tuple[int, int] = (2, 8)
@@ -34,29 +34,7 @@ def check_torch_version(version: str) -> None:
             f"DCP's _fqn_modifiers hook (torch 2.7); install torch>={needed}")
 
 
-def _check_installed_torch() -> None:
+def check_installed_torch() -> None:
+    """:func:`check_torch_version` on the torch this process imports."""
     import torch
     check_torch_version(torch.__version__)
-
-
-_check_installed_torch()
-
-
-def enable_cpu_huge_pages() -> bool:
-    """Have torch back CPU tensors of 2 MiB and more with transparent huge pages; whether it does.
-
-    Why private: torch has no API for it. c10's CPU allocator reads the
-    environment variable ``THP_MEM_ALLOC_ENABLE`` once, at the first CPU
-    allocation of the process (``c10/core/alloc_cpu.cpp``), and then aligns
-    tensors of 2 MiB and more to the page size and advises the kernel to back
-    them with huge pages (``madvise(MADV_HUGEPAGE)``). Set later, the variable
-    is ignored; so the effect is checked, by the alignment of three fresh
-    (untouched) 2 MiB tensors. A user's own setting is kept.
-    """
-    import os
-
-    import torch
-    os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
-    page = os.sysconf('SC_PAGE_SIZE')
-    probes = [torch.empty(2 << 20, dtype=torch.uint8) for _ in range(3)]
-    return all(p.data_ptr() % page == 0 for p in probes)

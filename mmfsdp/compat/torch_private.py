@@ -1,0 +1,187 @@
+"""The private torch API mmfsdp relies on, in one place, each use with its reason.
+
+The rest of the package reaches these only through the names defined here;
+``tests/test_compat.py`` checks each one against the installed torch, so a
+release that moves or changes one fails the suite loudly.
+"""
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+# why: torch ships its activation-checkpoint wrapper only in this private module
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
+    ActivationWrapper,
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+# why: FSDP1 has no public reshard; its post-backward callback runs this one
+from torch.distributed.fsdp._runtime_utils import _reshard
+
+# why: the only way to see each aten operator a constructor or initialiser runs
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
+__all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'DCPNameHook',
+           'FSDP_WRAPPED_MODULE', 'HYBRID_SHARD_ZERO2', 'PRIVATE_INITIALISERS',
+           'TorchDispatchMode', 'apply_activation_checkpointing', 'argument_names',
+           'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors', 'direct_tensor',
+           'direct_tensors', 'enable_cpu_huge_pages', 'fsdp1_reshard_if_gathered', 'initialiser',
+           'operator_name', 'registered_buffers', 'registered_child', 'registered_children',
+           'registered_parameters', 'replace_registered', 'storage_key', 'written_arguments']
+
+#: The child name torch's FSDP1 gives the module it wraps.
+FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
+#: The child name torch's activation-checkpoint wrapper gives the module it wraps.
+CHECKPOINT_WRAPPED_MODULE = '_checkpoint_wrapped_module'
+
+#: FSDP1's ZeRO-2 within a node, replicated across nodes.
+HYBRID_SHARD_ZERO2 = ShardingStrategy._HYBRID_SHARD_ZERO2  # why: torch names it only privately
+
+
+#: Initialiser names torch modules use besides ``reset_parameters``
+#: (``nn.MultiheadAttention`` and ``nn.Transformer*``: ``_reset_parameters``).
+PRIVATE_INITIALISERS = ('_reset_parameters', )
+
+
+def initialiser(module: nn.Module) -> Optional[Callable[[], None]]:
+    """``module.reset_parameters``, else its private ``_reset_parameters``; ``None`` if neither."""
+    for name in ('reset_parameters', *PRIVATE_INITIALISERS):
+        reset = getattr(module, name, None)  # why: torch's attention modules use the private name
+        if callable(reset):
+            return reset
+    return None
+
+
+def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
+    """Free an FSDP1 unit's gathered parameters (in use, or kept for the next forward).
+
+    The next forward reuses a gathered buffer that is still allocated instead
+    of gathering the shards again, so it must be freed after a write into them.
+    """
+    handle = getattr(module, '_handle', None)  # why: FSDP1 keeps its FlatParamHandle privately
+    if handle is None or not handle.uses_sharded_strategy:
+        return
+    flat_param = handle.flat_param
+    # why: _full_param_padded is FSDP1's gathered buffer, allocated once the unit is sharded
+    gathered = (not handle.is_sharded(flat_param)
+                or hasattr(flat_param, '_full_param_padded') and not handle.needs_unshard())
+    if gathered:
+        _reshard(module, handle, free_unsharded_flat_param=True)
+
+
+def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
+    """The module an activation-checkpoint wrapper wraps; ``None`` for any other module."""
+    if not isinstance(module, ActivationWrapper):
+        return None
+    return module._modules[CHECKPOINT_WRAPPED_MODULE]  # why: the wrapper's only child
+
+
+class DCPNameHook:
+    """Mixin for an ``nn.Module`` wrapper whose children DCP should name without a prefix.
+
+    ``torch.distributed.checkpoint.state_dict`` maps each state-dict key to a
+    module path and strips only the components a module lists in its
+    ``_fqn_modifiers()``; the subclass lists them in
+    :meth:`dropped_name_components`.
+    """
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        # why: DCP's private hook (torch >= 2.7); without it DCP expects 'module.'-prefixed keys
+        return self.dropped_name_components()
+
+    def dropped_name_components(self) -> Dict[str, str]:
+        """``{child name: component}`` that state-dict keys leave out."""
+        raise NotImplementedError
+
+
+def convert_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter and buffer ``t`` of ``module`` by ``fn(t)``, in place."""
+    # why: the walk behind Module.to / to_empty (parameters stay Parameters, swapped the
+    # way torch swaps them); to_empty would also empty the tensors that have values.
+    module._apply(fn)
+
+
+def registered_children(module: nn.Module) -> List[Tuple[str, Optional[nn.Module]]]:
+    """``module``'s children as registered (``None`` slots included)."""
+    # why: the real tree; a wrapper may override named_children / get_submodule to rename
+    return list(module._modules.items())
+
+
+def registered_child(module: nn.Module, name: str) -> nn.Module:
+    """The child registered as ``name`` (see :func:`registered_children`)."""
+    return module._modules[name]
+
+
+def registered_parameters(module: nn.Module) -> List[Tuple[str, Optional[nn.Parameter]]]:
+    """``module``'s own parameters as registered (``None`` slots included)."""
+    # why: named_parameters(recurse=False) skips None slots and shared tensors, and a
+    # wrapper may override it to rename
+    return list(module._parameters.items())
+
+
+def registered_buffers(module: nn.Module) -> List[Tuple[str, Optional[torch.Tensor]]]:
+    """``module``'s own buffers as registered (as :func:`registered_parameters`)."""
+    return list(module._buffers.items())  # why: as registered_parameters
+
+
+def direct_tensors(module: nn.Module) -> List[Tuple[str, Optional[torch.Tensor]]]:
+    """``module``'s own parameters then buffers, as registered (``None`` slots included)."""
+    return [*registered_parameters(module), *registered_buffers(module)]
+
+
+def direct_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The parameter or buffer ``module`` registered as ``name`` (``None`` if none)."""
+    return dict(direct_tensors(module)).get(name)
+
+
+def replace_registered(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Swap the parameter or buffer registered as ``name`` for ``tensor``, registering nothing."""
+    # why: setattr would run registration hooks and type checks again for a slot that
+    # register_parameter / register_buffer has just filled
+    if name in module._parameters:
+        module._parameters[name] = tensor
+    else:
+        module._buffers[name] = tensor
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """A key equal for tensors that share storage, also on the meta device."""
+    return tensor.untyped_storage()._cdata  # why: data_ptr() is 0 for every meta storage
+
+
+def written_arguments(func: Any) -> List[str]:
+    """Names of the arguments an aten operator (``OpOverload``) writes into."""
+    # why: an OpOverload exposes which arguments it mutates only through its _schema
+    return [a.name for a in func._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def operator_name(func: Any) -> str:
+    """An aten operator's name without its overload (``'aten::empty'``)."""
+    return func._schema.name  # why: as written_arguments
+
+
+def argument_names(func: Any) -> List[str]:
+    """Names of an aten operator's arguments, in order."""
+    return [a.name for a in func._schema.arguments]  # why: as written_arguments
+
+
+def enable_cpu_huge_pages() -> bool:
+    """Have torch back CPU tensors of 2 MiB and more with transparent huge pages; whether it does.
+
+    Why private: torch has no API for it. c10's CPU allocator reads the
+    environment variable ``THP_MEM_ALLOC_ENABLE`` once, at the first CPU
+    allocation of the process (``c10/core/alloc_cpu.cpp``), and then aligns
+    tensors of 2 MiB and more to the page size and advises the kernel to back
+    them with huge pages (``madvise(MADV_HUGEPAGE)``). Set later, the variable
+    is ignored; so the effect is checked, by the alignment of three fresh
+    (untouched) 2 MiB tensors. A user's own setting is kept.
+    """
+    os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
+    page = os.sysconf('SC_PAGE_SIZE')
+    probes = [torch.empty(2 << 20, dtype=torch.uint8) for _ in range(3)]
+    return all(p.data_ptr() % page == 0 for p in probes)

@@ -1,0 +1,367 @@
+"""One test per private mmengine / torch internal that :mod:`mmfsdp.compat` relies on.
+
+Each fails with a message naming the internal when a new mmengine or torch
+release renames it, changes its signature or stops doing what mmfsdp relies
+on; the fix is in ``mmfsdp/compat/`` (and wherever that message points).
+Single process, no process group: these read the installed libraries.
+"""
+import hashlib
+import inspect
+import re
+import textwrap
+from collections import deque
+
+import pytest
+import torch
+import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
+from mmengine.config import Config
+from mmengine.hooks import CheckpointHook
+from mmengine.model import BaseModel, BaseModule
+from mmengine.model.weight_init import PretrainedInit
+from mmengine.optim import AmpOptimWrapper, OptimWrapper
+from mmengine.registry import MODEL_WRAPPERS
+from mmengine.runner import Runner
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp import _init_utils as fsdp_init_utils
+from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+from mmfsdp import compat
+
+
+def _parameters(function) -> list:
+    return list(inspect.signature(function).parameters)
+
+
+def _source(function) -> str:
+    return textwrap.dedent(inspect.getsource(function))
+
+
+def _calls_in_order(function, calls) -> None:
+    source = _source(function)
+    where = [source.find(call) for call in calls]
+    assert -1 not in where and where == sorted(where), (
+        f'{function.__qualname__} no longer runs {calls} in this order; mmfsdp relies on it '
+        '(see mmfsdp/compat/mmengine_private.py)')
+
+
+class _Model(BaseModel):
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, inputs=None, data_samples=None, mode='tensor'):
+        return self.fc(inputs)
+
+
+class _Pretrained(BaseModule):
+
+    def __init__(self, init_cfg=None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        self.fc = nn.Linear(2, 2)
+
+
+@pytest.fixture(scope='module')
+def runner(tmp_path_factory):
+    """A stock Runner, one process, asked to load and resume (nothing is read)."""
+    return Runner(model=_Model(), work_dir=str(tmp_path_factory.mktemp('compat')),
+                  load_from='missing.pth', resume=True, experiment_name='compat_test')
+
+
+# ---- mmengine --------------------------------------------------------------
+
+
+def test_runner_train_initialises_weights_privately_before_load_or_resume():
+    assert _parameters(Runner._init_model_weights) == ['self'], \
+        'Runner._init_model_weights changed its signature (mmfsdp.compat.RunnerSteps overrides it)'
+    _calls_in_order(Runner.train, ['self.build_optim_wrapper(', "self.call_hook('before_run')",
+                                   'self._init_model_weights()', 'self.load_or_resume()'])
+
+
+def test_runner_steps_route_the_private_step_to_its_public_name():
+    calls = []
+
+    class Recording(compat.RunnerSteps):
+
+        def init_model_weights(self) -> None:
+            calls.append('init_model_weights')
+
+    Recording._init_model_weights(object.__new__(Recording))
+    assert calls == ['init_model_weights']
+
+
+def test_runner_keeps_load_from_and_resume_privately(runner):
+    assert compat.load_from(runner) == 'missing.pth', 'Runner no longer keeps _load_from'
+    assert compat.resume_requested(runner) is True, 'Runner no longer keeps _resume'
+
+
+def test_load_or_resume_skips_a_loaded_checkpoint_by_has_loaded(runner):
+    assert runner._has_loaded is False, 'Runner.__init__ no longer sets _has_loaded'
+    compat.mark_checkpoint_loaded(runner)
+    runner.load_or_resume()  # would try to read missing.pth without the flag
+
+
+def test_checkpoint_hook_saves_through_its_private_steps():
+    hook = CheckpointHook
+    expected = {'_save_checkpoint_with_step': ['self', 'runner', 'step', 'meta'],
+                '_save_best_checkpoint': ['self', 'runner', 'metrics'],
+                '_publish_model': ['self', 'runner', 'ckpt_path'],
+                '_init_rule': ['self', 'rules', 'key_indicators']}
+    for name, parameters in expected.items():
+        assert _parameters(getattr(hook, name, None) or (lambda: None)) == parameters, (
+            f'CheckpointHook.{name} changed; mmfsdp.compat.CheckpointHookSteps overrides it')
+    _calls_in_order(hook._save_checkpoint, ['self._save_checkpoint_with_step('])
+    _calls_in_order(hook._save_best_checkpoint, ['self._save_checkpoint_with_step('])
+    _calls_in_order(hook.after_val_epoch, ['self._save_best_checkpoint('])
+    _calls_in_order(hook.after_train, ['self._publish_model('])
+
+
+#: sha256 of the stock methods mmfsdp.checkpoint.hook re-implements (mmengine 0.10.7).
+_REIMPLEMENTED = {
+    '_save_checkpoint_with_step':
+        '9b971b6cd3cc507da3041d5432ba5766d048eeebcf8b365df4417729c92d4763',
+    '_save_best_checkpoint':
+        'b66a8a9e45854dcb8985bba7ad9de337c21b353aff56a3af8445f21bc9269744',
+}
+
+
+@pytest.mark.parametrize('name', sorted(_REIMPLEMENTED))
+def test_checkpoint_hook_methods_mmfsdp_reimplements_are_unchanged(name):
+    digest = hashlib.sha256(_source(getattr(CheckpointHook, name)).encode()).hexdigest()
+    assert digest == _REIMPLEMENTED[name], (
+        f"mmengine's CheckpointHook.{name} changed (sha256 {digest}); "
+        'mmfsdp/checkpoint/hook.py re-implements it: carry the change over, then record the '
+        'new digest here')
+
+
+def test_checkpoint_hook_state_read_through_compat(runner):
+    hook = compat.CheckpointHookSteps(interval=1, by_epoch=False, max_keep_ckpts=2, save_best='acc',
+                                      state_dict_type='sharded')
+    hook.before_train(runner)
+    assert isinstance(hook.kept_steps, deque), 'CheckpointHook.keep_ckpt_ids is gone'
+    assert hook.name_template == 'iter_{}.pth', 'CheckpointHook.filename_tmpl changed'
+    assert hook.checkpoint_path(hook.checkpoint_name(3)).endswith('iter_3.pth'), \
+        'CheckpointHook.file_backend.join_path changed'
+    assert hook.save_kwargs == {'state_dict_type': 'sharded'}, \
+        'CheckpointHook.args no longer holds the extra config keys'
+    for name in ('rules', 'key_indicators', 'init_value_map', 'is_better_than',
+                 'best_ckpt_path', 'last_ckpt', 'out_dir', 'file_client_args', 'backend_args'):
+        assert hasattr(hook, name), f'CheckpointHook.{name} is gone (mmfsdp save_best reads it)'
+
+
+def test_optim_wrapper_keeps_clip_grad_as_clip_func_and_kwargs():
+    params = [nn.Parameter(torch.ones(2))]
+    by_norm = OptimWrapper(torch.optim.SGD(params, lr=0.1),
+                           clip_grad=dict(max_norm=1.0, norm_type=2))
+    by_value = OptimWrapper(torch.optim.SGD(params, lr=0.1),
+                            clip_grad=dict(type='value', clip_value=0.5))
+    assert compat.norm_clip_options(by_norm) == dict(max_norm=1.0, norm_type=2), \
+        'OptimWrapper.clip_func / clip_grad_kwargs changed'
+    assert compat.norm_clip_options(by_value) is None
+    assert compat.norm_clip_options(OptimWrapper(torch.optim.SGD(params, lr=0.1))) is None
+
+
+def test_optim_wrapper_step_clips_through_private_clip_grad():
+    param = nn.Parameter(torch.ones(2))
+    wrapper = OptimWrapper(torch.optim.SGD([param], lr=0.1), clip_grad=dict(max_norm=1.0))
+    stock_calls, calls = [], []
+    wrapper.clip_func = lambda *a, **k: stock_calls.append(a)
+    wrapper._clip_grad()  # no gradient on this rank: the stock method skips the clip
+    assert stock_calls == [], 'OptimWrapper._clip_grad no longer skips a rank without gradients'
+    compat.replace_grad_clipping(wrapper, lambda: calls.append('clip'))
+    wrapper.update_params((param * 2).sum())
+    assert calls == ['clip'], 'OptimWrapper.step no longer clips through _clip_grad'
+
+
+def test_amp_optim_wrapper_init_sets_only_what_mmfsdp_sets():
+    source = _source(AmpOptimWrapper.__init__)
+    assigned = set(re.findall(r'self\.(\w+)\s*=', source))
+    assert assigned == {'_scale_update_param', 'loss_scaler', 'cast_dtype'}, (
+        f"mmengine's AmpOptimWrapper.__init__ now sets {sorted(assigned)}; mmfsdp.amp skips "
+        'it (it asserts CUDA) and must set the same state')
+    assert 'super().__init__(**kwargs)' in source
+    assert 'self.loss_scaler.update(self._scale_update_param)' in _source(AmpOptimWrapper.step), \
+        'AmpOptimWrapper.step no longer reads _scale_update_param'
+
+
+def test_pkg_prefix_resolves_through_module2package(tmp_path):
+    from mmengine.config.utils import MODULE2PACKAGE
+    assert MODULE2PACKAGE.get('mmfsdp') == 'mmfsdp.registry'
+    config = tmp_path / 'child.py'
+    config.write_text("_base_ = ['mmfsdp::_base_/models/gpt_nano.py']\n")
+    assert 'model' in Config.fromfile(str(config)), "mmengine's 'pkg::' lookup changed"
+
+
+def test_pretrained_init_runs_through_its_call_inside_init_weights(tmp_path):
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / 'w.pth')
+    module = _Pretrained(init_cfg=dict(type='Pretrained', checkpoint=str(tmp_path / 'w.pth')))
+    seen = []
+
+    def call(init, target):
+        seen.append((type(init).__name__, hasattr(target, '_params_init_info')))
+        compat.record_init_info(init, target)
+
+    with compat.pretrained_init_calls(call):
+        module.init_weights()
+    assert seen == [('PretrainedInit', True)], (
+        "BaseModule.init_weights no longer calls PretrainedInit.__call__ while it keeps "
+        '_params_init_info (mmfsdp.meta_init.pretrained replaces the call)')
+    assert PretrainedInit.__call__ is not call
+
+
+def test_stock_wrap_model_builds_the_wrapper_in_its_own_frame():
+    seen = []
+
+    @MODEL_WRAPPERS.register_module(name='CompatTestProbeWrapper', force=True)
+    class Probe(nn.Module):
+
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            seen.append(any(f.f_code is Runner.wrap_model.__code__
+                            for f in compat.call_stack()))
+
+    class Stub:
+        distributed = True
+        cfg: dict = {}
+
+    Runner.wrap_model(Stub(), dict(type='CompatTestProbeWrapper'), nn.Linear(2, 2))
+    assert seen == [True], \
+        'Runner.wrap_model no longer builds the wrapper itself: mmfsdp.wrappers.guard misses it'
+    assert not any(f.f_code is Runner.wrap_model.__code__ for f in compat.call_stack())
+
+
+# ---- torch -----------------------------------------------------------------
+
+
+def test_activation_checkpoint_wrapper_holds_the_module_as_checkpoint_wrapped_module():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    compat.apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=lambda m: compat.checkpoint_wrapper(
+            m, checkpoint_impl=compat.CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, nn.Linear))
+    assert isinstance(model[0], compat.ActivationWrapper)
+    assert isinstance(compat.checkpoint_inner(model[0]), nn.Linear), \
+        f'the checkpoint wrapper no longer holds its module as {compat.CHECKPOINT_WRAPPED_MODULE}'
+    assert compat.checkpoint_inner(model[1]) is None
+
+
+def test_fsdp1_names_its_wrapped_module():
+    assert fsdp1_module.FSDP_WRAPPED_MODULE == compat.FSDP_WRAPPED_MODULE
+
+
+def test_hybrid_shard_zero2_exists():
+    assert ShardingStrategy['_HYBRID_SHARD_ZERO2'] is compat.HYBRID_SHARD_ZERO2
+
+
+def test_fsdp1_reshard_and_the_handle_state_it_reads():
+    from mmfsdp.compat import torch_private
+    assert _parameters(torch_private._reshard) == ['state', 'handle',
+                                                   'free_unsharded_flat_param'], \
+        'torch.distributed.fsdp._runtime_utils._reshard changed (mmfsdp.ema reshards with it)'
+    assert 'state._handle = ' in inspect.getsource(fsdp_init_utils), \
+        'FSDP1 no longer keeps its FlatParamHandle as _handle'
+    for name in ('uses_sharded_strategy', 'is_sharded', 'needs_unshard'):
+        assert hasattr(FlatParamHandle, name), f'FlatParamHandle.{name} is gone'
+    assert 'flat_param._full_param_padded = ' in _source(
+        FlatParamHandle.init_flat_param_attributes), \
+        "FSDP1's gathered buffer is no longer FlatParameter._full_param_padded"
+
+
+def test_attention_initialises_in_private_reset_parameters():
+    attention = nn.MultiheadAttention(4, 2)
+    assert not hasattr(attention, 'reset_parameters')
+    assert compat.initialiser(attention) == attention._reset_parameters, \
+        'nn.MultiheadAttention no longer initialises in _reset_parameters'
+    linear = nn.Linear(2, 2)
+    assert compat.initialiser(linear) == linear.reset_parameters
+
+
+def test_dispatch_mode_sees_operators_with_their_written_arguments():
+    seen = []
+
+    class Watch(compat.TorchDispatchMode):
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((compat.operator_name(func), compat.argument_names(func),
+                         compat.written_arguments(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2)
+    with Watch():
+        x.add_(1)
+    assert ('aten::add_', ['self', 'other', 'alpha'], ['self']) in seen
+
+
+def test_storage_key_tells_meta_storages_apart():
+    a, b = torch.empty(4, device='meta'), torch.empty(4, device='meta')
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # why it exists
+    assert compat.storage_key(a) == compat.storage_key(a[1:])
+    assert compat.storage_key(a) != compat.storage_key(b)
+
+
+def test_dcp_names_state_through_fqn_modifiers():
+
+    class Holder(compat.DCPNameHook, nn.Module):
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Sequential(nn.Linear(2, 2))
+
+        def state_dict(self, *args, **kwargs):
+            return self.module.state_dict(*args, **kwargs)
+
+        def named_parameters(self, *args, **kwargs):
+            return self.module.named_parameters(*args, **kwargs)
+
+        def dropped_name_components(self):
+            return {name: 'module' for name, _ in self.module.named_children()}
+
+    assert sorted(get_model_state_dict(Holder())) == ['0.bias', '0.weight'], \
+        "DCP's get_model_state_dict no longer honours _fqn_modifiers"
+
+
+def test_convert_tensors_applies_a_function_to_every_parameter_and_buffer():
+    model = nn.BatchNorm1d(2, device='meta')
+    model.running_mean = torch.full((2, ), 3.0)
+    compat.convert_tensors(
+        model, lambda t: torch.empty_like(t, device='cpu') if t.is_meta else t)
+    assert isinstance(model.weight, nn.Parameter) and model.weight.requires_grad, \
+        'nn.Module._apply no longer keeps parameters as trainable Parameters'
+    assert all(not t.is_meta for t in [*model.parameters(), *model.buffers()]), \
+        'nn.Module._apply no longer reaches every parameter and buffer'
+    assert model.running_mean.tolist() == [3.0, 3.0]
+
+
+def test_registered_children_are_the_tree_whatever_named_children_says():
+
+    class Renaming(nn.Module):
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.register_module('empty', None)
+
+        def named_children(self):
+            return iter(())
+
+        def get_submodule(self, target):
+            raise AttributeError(target)
+
+    wrapper = Renaming()
+    assert compat.registered_children(wrapper) == [('module', wrapper.module), ('empty', None)], \
+        'nn.Module no longer keeps its children in _modules'
+    assert compat.registered_child(wrapper, 'module') is wrapper.module
+
+
+def test_registration_dicts_hold_none_slots_and_swap_without_registering():
+    module = nn.Module()
+    module.register_parameter('p', None)
+    module.register_parameter('w', nn.Parameter(torch.ones(1)))
+    module.register_buffer('b', torch.zeros(1), persistent=False)
+    assert [n for n, _ in compat.direct_tensors(module)] == ['p', 'w', 'b']
+    compat.replace_registered(module, 'b', torch.ones(1))
+    compat.replace_registered(module, 'w', nn.Parameter(torch.zeros(1)))
+    assert compat.direct_tensor(module, 'b').item() == 1.0 and module.w.item() == 0.0
+    assert list(module.state_dict()) == ['w'], 'a swapped buffer must stay non-persistent'
