@@ -12,7 +12,9 @@ sharding (each rank allocates its shards), FSDP1 on the CPU before wrapping
 - :mod:`.pretrained`: ``init_cfg=Pretrained`` reading only each rank's slices;
 - :mod:`.written`: the sentinel check and its error, the same on every rank.
 """
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+from torch import nn
 
 from ..protocol import is_parallel_wrapper
 from .build import RECORD_LIMIT_BYTES, build_on_meta, empty_weights, recorded
@@ -34,7 +36,8 @@ from .written import (
 
 __all__ = ['RECORD_LIMIT_BYTES', 'SHARD_SAFE_INIT_TYPES', 'Unwritten', 'UnwrittenTensorsError',
            'WriteTracker', 'agree_on_unwritten', 'allow_unsafe_pretrained', 'build_on_meta',
-           'check_init_cfgs', 'defer_check', 'empty_weights', 'load_pretrained', 'materialize',
+           'check_init_cfgs', 'check_meta_model', 'defer_check', 'empty_weights',
+           'load_pretrained', 'materialize',
            'recorded', 'set_preprocessor_device', 'unwritten', 'wants_meta_init']
 
 
@@ -42,3 +45,19 @@ def wants_meta_init(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> bool:
     """Whether the wrapper config asks for the model to be built on the meta device."""
     return (is_parallel_wrapper(wrapper_cls) and wrapper_cls.supports_meta_init
             and wrapper_cfg.get('init_device') == 'meta')
+
+
+def check_meta_model(module: nn.Module, init_device: Optional[str], when: str) -> bool:
+    """Whether ``module`` has meta tensors, which only ``init_device='meta'`` materialises.
+
+    Raises ``ValueError`` for a meta model without that option, and for
+    ``init_cfg`` entries that cannot initialise shards (:func:`check_init_cfgs`).
+    ``when`` says when the wrapper materialises (``'before sharding'``).
+    """
+    on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    if on_meta and init_device != 'meta':
+        raise ValueError('model_wrapper_cfg.init_device: the model is on the meta device; '
+                         f"set init_device='meta' to materialise it {when}")
+    if on_meta:
+        check_init_cfgs(module)
+    return on_meta

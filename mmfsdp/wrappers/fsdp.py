@@ -7,7 +7,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..dist import current_device
-from ..meta_init import check_init_cfgs, materialize, set_preprocessor_device
+from ..meta_init import check_meta_model, materialize, set_preprocessor_device
 from ..plan.spec import ShardingSpec
 from ..policies import planned_policy
 from ..registry import MODEL_WRAPPERS
@@ -78,12 +78,8 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Co
         device = current_device()
         cfg.check_device(device)
         policy, checkpoint_layers = cfg.for_model(module)
-        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if on_meta and cfg.init_device != 'meta':
-            raise ValueError("the model is on the meta device; set init_device='meta' in the "
-                             'wrapper config to materialise it before sharding')
+        on_meta = check_meta_model(module, cfg.init_device, 'before sharding')
         if on_meta:
-            check_init_cfgs(module)
             # On the CPU, then to the device unit by unit: FSDP1 flattens whole
             # tensors, so shape-dependent initialisers need them unsharded.
             materialize(module, torch.device('cpu'),

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..clip import clip_grads_by_global_norm
 from ..dist import current_device
-from ..meta_init import check_init_cfgs, materialize
+from ..meta_init import check_meta_model, materialize
 from ..plan.spec import ShardingSpec
 from ..registry import MODEL_WRAPPERS
 from ..unused_params import UsageProbe, check_same_parameters_used
@@ -75,12 +75,7 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, Configure
         cfg.check_device(device)
         self.mesh = build_mesh(cfg.mesh, device)
         check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
-        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-        if on_meta and cfg.init_device != 'meta':
-            raise ValueError('model_wrapper_cfg.init_device: the model is on the meta device; '
-                             "set init_device='meta' to materialise it after sharding")
-        if on_meta:
-            check_init_cfgs(module)
+        on_meta = check_meta_model(module, cfg.init_device, 'after sharding')
         # A model with its own steps calls its children directly: each is its own root.
         roots = separate_roots(module, 'mmfsdp.MMFullyShard') if own_steps(module) else None
         self.units = shard_model(module, self.mesh, policy, checkpoint_layers,
