@@ -30,6 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .launch import REPO
+from .machine import machine
 from .workload import MODELS
 
 __all__ = ['ARMS', 'RESULTS', 'load', 'main', 'report', 'run_job', 'section_lines', 'summarize']
@@ -310,7 +311,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     arms = [(strategy, label) for strategy in CONFIGS for label in settings]
     if args.arms is not None:
         arms = [tuple(a.split('/', 1)) for a in args.arms]
-    from .run import machine
     data: Dict[str, Any] = dict(
         command='python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:]),
         date_utc=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), machine=machine(),

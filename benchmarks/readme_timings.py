@@ -28,7 +28,7 @@ import time
 from typing import Any, Dict, List
 
 from .launch import REPO
-from .run import machine
+from .machine import machine
 
 __all__ = ['main', 'measure']
 

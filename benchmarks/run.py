@@ -18,9 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .checkpoint_cost import TYPES as CHECKPOINT_TYPES
 from .checkpoint_cost import case as checkpoint_case
 from .launch import REPO, torchrun
+from .machine import machine
 from .workload import STRATEGIES
 
 __all__ = ['SUITES', 'Suite', 'main', 'plan_jobs']
@@ -118,44 +116,6 @@ def plan_jobs(suite: Suite) -> List[Dict[str, Any]]:
             packed.setdefault(job['nproc'], []).extend(job['cases'])
         jobs = [dict(nproc=n, cases=cases) for n, cases in sorted(packed.items())]
     return jobs
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(['git', 'status', '--porcelain', '--', 'mmfsdp'], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return out + ('+uncommitted mmfsdp changes' if dirty else '')
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def machine() -> Dict[str, Any]:
-    """The machine and versions, without importing torch."""
-    from importlib.metadata import PackageNotFoundError, version
-    cpu = platform.processor()
-    try:
-        with open('/proc/cpuinfo') as f:
-            cpu = next((line.split(':', 1)[1].strip() for line in f
-                        if line.startswith('model name')), cpu)
-        with open('/proc/meminfo') as f:
-            mem_kib = int(f.readline().split()[1])
-    except OSError:
-        mem_kib = 0
-    versions = {}
-    for package in ('torch', 'mmengine', 'mmfsdp'):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = None
-    if versions['mmfsdp'] is None:  # run from a checkout without installing it
-        with open(os.path.join(REPO, 'mmfsdp', '__init__.py')) as f:
-            found = re.search(r"__version__ = '([^']+)'", f.read())
-        versions['mmfsdp'] = found.group(1) if found else None
-    return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=round(mem_kib / 2**20, 1),
-                python=platform.python_version(), platform=platform.platform(),
-                versions=versions, commit=_git_commit())
 
 
 def _load(path: str) -> Dict[str, Any]:
