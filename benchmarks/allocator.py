@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .launch import REPO
-from .machine import machine
+from .record import machine
 from .workload import MODELS
 
 __all__ = ['ARMS', 'RESULTS', 'load', 'main', 'report', 'run_job', 'section_lines', 'summarize']

@@ -259,7 +259,8 @@ def memory_ok(result: Dict[str, Any]) -> bool:
 
 def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
     """Every job of a peers run; the results file is written after each job."""
-    from .run import _save, machine
+    from .record import machine
+    from .record import save_results as _save
     cases = plan_cases(args.model, args.arms, args.steps, args.timed_from, args.batch_size,
                        args.seq_len, args.memory_steps)
     data: Dict[str, Any] = dict(mode='peers', machine=machine(), nproc=args.nproc, results=[],

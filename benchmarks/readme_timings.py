@@ -28,7 +28,7 @@ import time
 from typing import Any, Dict, List
 
 from .launch import REPO
-from .machine import machine
+from .record import machine
 
 __all__ = ['main', 'measure']
 

@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from .checkpoint_cost import TYPES as CHECKPOINT_TYPES
 from .checkpoint_cost import case as checkpoint_case
 from .launch import REPO, torchrun
-from .machine import machine
+from .record import machine
+from .record import save_results as _save
 from .workload import STRATEGIES
 
 __all__ = ['SUITES', 'Suite', 'main', 'plan_jobs']
@@ -121,14 +122,6 @@ def plan_jobs(suite: Suite) -> List[Dict[str, Any]]:
 def _load(path: str) -> Dict[str, Any]:
     with open(path) as f:
         return json.load(f)
-
-
-def _save(path: str, data: Dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def run_suite(mode: str, out: str, resume: bool = False,

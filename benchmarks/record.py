@@ -1,4 +1,5 @@
-"""The machine and the versions a benchmark ran on, recorded beside its results."""
+"""What a benchmark run records: the machine and versions it ran on, and its results file."""
+import json
 import os
 import platform
 import re
@@ -7,7 +8,7 @@ from typing import Any, Dict, Optional
 
 from .launch import REPO
 
-__all__ = ['machine']
+__all__ = ['machine', 'save_results']
 
 
 def _git_commit() -> Optional[str]:
@@ -46,3 +47,12 @@ def machine() -> Dict[str, Any]:
     return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=round(mem_kib / 2**20, 1),
                 python=platform.python_version(), platform=platform.platform(),
                 versions=versions, commit=_git_commit())
+
+
+def save_results(path: str, data: Dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (a stopped run leaves the previous file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
