@@ -11,8 +11,10 @@ unknown keyword, ``ValueError`` for a value outside the valid choices.
 
 - :mod:`.common`: dtypes, enums, flags, keys, module classes by name;
 - :mod:`.fsdp1`: ``MMFullyShardedDataParallel``'s strategy, prefetch, precision, offload;
-- :mod:`.fsdp2`: ``MMFullyShard``'s precision policy, offload, mesh, resharding.
+- :mod:`.fsdp2`: ``MMFullyShard``'s precision policy, offload, mesh, resharding;
+- :mod:`.accumulation`: both sharded wrappers' gradient accumulation mode.
 """
+from .accumulation import Accumulation, resolve_accumulation
 from .common import (
     check_keys,
     resolve_dtype,
@@ -42,6 +44,7 @@ from .fsdp2 import (
 )
 
 __all__ = [
+    'Accumulation', 'resolve_accumulation',
     'check_keys', 'resolve_backward_prefetch', 'resolve_cpu_offload', 'resolve_dtype',
     'resolve_enum', 'resolve_flag', 'resolve_mixed_precision', 'resolve_module_classes',
     'resolve_sharding_strategy', 'suggest', 'wrapper_options', 'FSDP1_ONLY_OPTIONS', 'MeshSpec',

@@ -28,9 +28,11 @@ from ..activation_checkpointing import resolve_activation_checkpointing
 from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import current_device
 from ..options import (
+    Accumulation,
     MeshSpec,
     check_keys,
     reject_fsdp1_options,
+    resolve_accumulation,
     resolve_backward_prefetch,
     resolve_cpu_offload,
     resolve_flag,
@@ -145,6 +147,10 @@ class FSDPConfig(WrapperConfig):
     #: ``'meta'``: build on the meta device; the model is materialised and
     #: initialised on the CPU, then moved to the device unit by unit.
     init_device: Optional[str] = None
+    #: Gradient accumulation: ``'sharded'`` reduce-scatters every micro-step,
+    #: ``'unsharded'`` keeps full local gradients until the last (``no_sync``);
+    #: see :mod:`mmfsdp.options.accumulation`.
+    accumulation: Accumulation = Accumulation.SHARDED
 
     RESOLVERS: ClassVar[Mapping[str, Resolver]] = dict(
         sharding_strategy=resolve_sharding_strategy,
@@ -155,6 +161,7 @@ class FSDPConfig(WrapperConfig):
         limit_all_gathers=_flag('limit_all_gathers'),
         sync_module_states=_flag('sync_module_states'),
         init_device=resolve_init_device,
+        accumulation=resolve_accumulation,
     )
 
     @property
@@ -211,6 +218,11 @@ class FullyShardConfig(WrapperConfig):
     #: zeros' communication. Every sharded unit must still run its forward on
     #: every rank.
     find_unused_parameters: bool = False
+    #: Gradient accumulation: ``'sharded'`` reduce-scatters every micro-step,
+    #: ``'unsharded'`` keeps full local gradients until the last (``no_sync``) and, with
+    #: ``reshard_after_forward=False``, the gathered parameters too;
+    #: see :mod:`mmfsdp.options.accumulation`.
+    accumulation: Accumulation = Accumulation.SHARDED
 
     RESOLVERS: ClassVar[Mapping[str, Resolver]] = dict(
         reshard_after_forward=resolve_reshard_after_forward,
@@ -219,6 +231,7 @@ class FullyShardConfig(WrapperConfig):
         offload=resolve_offload_policy,
         init_device=resolve_init_device,
         find_unused_parameters=_flag('find_unused_parameters'),
+        accumulation=resolve_accumulation,
     )
     TRANSLATED: ClassVar[Tuple[str, ...]] = ('sharding_strategy', )
 

@@ -1,5 +1,6 @@
 """``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
-from typing import Any, Mapping, Optional
+import contextlib
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -8,6 +9,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..dist import current_device
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
+from ..options import Accumulation
 from ..plan.spec import ShardingSpec
 from ..policies import planned_policy
 from ..registry import MODEL_WRAPPERS
@@ -52,7 +54,8 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Co
             mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
             cpu_offload=False,
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
-            init_device=None)                      # 'meta': build without weights first
+            init_device=None,                      # 'meta': build without weights first
+            accumulation='sharded')                # 'unsharded': no_sync, full gradients
     """
 
     #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
@@ -104,6 +107,36 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Co
             use_orig_params=True)
         set_preprocessor_device(self.module, device)
         apply_activation_checkpointing_to(self, checkpoint_layers)
+        self._accumulation = cfg.accumulation
+        self._sync_next_backward = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """FSDP1's forward; its backward reduces gradients unless it ran in ``no_sync``."""
+        # FSDP1 reads _sync_gradients in backward, which mmengine runs after leaving
+        # no_sync (around the forward only); so set it here for the coming backward.
+        for module in FullyShardedDataParallel.fsdp_modules(self):
+            module._sync_gradients = self._sync_next_backward
+        return super().forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """What mmengine enters on accumulation micro-steps; follows ``accumulation``.
+
+        ``'sharded'``: nothing, so each micro-step's backward reduce-scatters
+        and FSDP1 adds the result to the gradient shard. ``'unsharded'``:
+        forwards inside keep full local gradients in their backward, unreduced,
+        until a backward of a forward outside; like DDP's ``no_sync``, the
+        setting is taken at forward time (FSDP1's own ``no_sync`` must also
+        enclose the backward).
+        """
+        if self._accumulation is Accumulation.SHARDED:
+            yield
+            return
+        previous, self._sync_next_backward = self._sync_next_backward, False
+        try:
+            yield
+        finally:
+            self._sync_next_backward = previous
 
     @classmethod
     def stages_on_cpu(cls, config: Mapping[str, Any], device: torch.device) -> bool:

@@ -58,7 +58,8 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, Configure
             offload=dict(cpu_offload=False),
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
             init_device=None,                      # 'meta': never hold the full model
-            find_unused_parameters=False)          # True: ranks may use different params
+            find_unused_parameters=False,          # True: ranks may use different params
+            accumulation='sharded')                # 'unsharded': no_sync, full gradients
     """
 
     #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
@@ -93,6 +94,7 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, Configure
             materialize(module, device, self.mesh)
         self.module = module
         self._sync_gradients = True
+        self._set_accumulation(cfg.accumulation, cfg.reshard_after_forward)
 
     @classmethod
     def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,

@@ -1,0 +1,195 @@
+"""Gradient accumulation: peak and communication per optimizer step, ``accumulation`` modes.
+
+``python -m benchmarks.accumulation [--world-sizes 2 4] [--wrappers fsdp1 fsdp2]
+[--counts 1 2 4] [--out benchmarks/results/accumulation.json] [--resume]``
+
+One torchrun job per case (a process's memory belongs to one case): the GPT of
+``--model`` (gpt-100m) under FSDP1 FULL_SHARD or FSDP2 ``reshard_after_forward=True``,
+``optim_wrapper.accumulative_counts = k`` and ``accumulation='sharded' |
+'unsharded'`` (at k = 1 the modes do the same thing: one case). Per optimizer
+step (k micro-steps and the update) a hook measures, as :mod:`benchmarks.memory`
+does per iteration:
+
+- **peak**: the resident set's high-water mark over the step (reset at its
+  first micro-step) minus the resident set before the model was built;
+- **communication**: the ring send volume of every collective of the step.
+
+The first ``--warmup`` steps (AdamW allocates its state in the first) are
+dropped; figures are the maximum over ranks. Theory for ZeRO-3 (P parameters,
+b = 4 bytes, N ranks), per step: each micro-step all-gathers the parameters
+twice (forward, backward); ``'sharded'`` reduce-scatters every micro-step,
+``3k(N-1)/N·P·b``; ``'unsharded'`` once, ``(2k+1)(N-1)/N·P·b``: the
+difference is the k-1 extra reduce-scatters.
+"""
+import argparse
+import json
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+__all__ = ['WRAPPERS', 'comm_factor', 'main', 'plan_cases', 'run_case']
+
+#: label -> ``model_wrapper_cfg`` (without ``accumulation``)
+WRAPPERS: Dict[str, Dict[str, Any]] = {
+    'fsdp1': dict(type='mmfsdp.MMFullyShardedDataParallel', sharding_strategy='FULL_SHARD',
+                  auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])),
+    'fsdp2': dict(type='mmfsdp.MMFullyShard', reshard_after_forward=True,
+                  auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])),
+}
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
+                           'accumulation.json')
+
+
+def comm_factor(mode: str, counts: int, world_size: int) -> float:
+    """Communication bytes per rank per optimizer step, as a multiple of P·b (ZeRO-3)."""
+    ring = (world_size - 1) / world_size
+    return ring * (3 * counts if mode == 'sharded' else 2 * counts + 1)
+
+
+def _probe(counter: Any, counts: int) -> Any:
+    from mmengine.hooks import Hook
+
+    from .measure import peak_rss_bytes, reset_peak_rss
+
+    class _OptimizerStepProbe(Hook):
+        """Peak and communication of every optimizer step (``counts`` iterations)."""
+
+        def __init__(self) -> None:
+            self.records: List[Dict[str, Any]] = []
+
+        def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+            if runner.iter % counts == 0:
+                counter.reset()
+                reset_peak_rss()
+
+        def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                             outputs: Any = None) -> None:
+            if (runner.iter + 1) % counts == 0:
+                comm = counter.snapshot()
+                self.records.append(dict(peak_bytes=peak_rss_bytes(),
+                                         send_bytes=comm['send_bytes'], by_op=comm['by_op']))
+
+    return _OptimizerStepProbe()
+
+
+def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
+    """Train ``warmup + steps`` optimizer steps of one case; return the result (rank 0)."""
+    import torch.distributed as dist
+
+    from .comm import CollectiveCounter
+    from .measure import rss_bytes, summary
+    from .workload import BYTES_PER_ELEMENT, build_model, make_runner, runner_cfg, warm_up
+    counts, mode = case['counts'], case['mode']
+    wrapper = dict(WRAPPERS[case['wrapper']], accumulation=mode)
+    warm_up(wrapper, case['name'])
+    baseline = rss_bytes()  # before the model is built
+    counter = CollectiveCounter()
+    with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir, counter:
+        cfg = runner_cfg(case['model'], wrapper, work_dir, case['name'].replace('/', '-'),
+                         case['batch_size'], case['seq_len'],
+                         counts * (case['warmup'] + case['steps']))
+        cfg.optim_wrapper['accumulative_counts'] = counts
+        runner = make_runner(cfg)
+        probe = _probe(counter, counts)
+        runner.register_hook(probe, priority='VERY_LOW')
+        runner.train()
+        del runner
+    records = probe.records[case['warmup']:]
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(baseline=baseline, records=records))
+    if dist.get_rank() != 0:
+        return {}
+    world = dist.get_world_size()
+    params = sum(p.numel() for p in build_model(case['model'], 'meta').parameters())
+    peak = [max(g['records'][i]['peak_bytes'] - g['baseline'] for g in gathered)
+            for i in range(len(records))]
+    comm = [max(g['records'][i]['send_bytes'] for g in gathered) for i in range(len(records))]
+    return dict(kind='accumulation', name=case['name'], model=case['model'],
+                wrapper=case['wrapper'], mode=mode, counts=counts, world_size=world,
+                params=params, batch_size=case['batch_size'], seq_len=case['seq_len'],
+                steps=len(records), peak_bytes=summary(peak), comm_send_bytes=summary(comm),
+                comm_by_op=records[-1]['by_op'],
+                theory_comm_bytes=comm_factor(mode, counts, world) * params * BYTES_PER_ELEMENT)
+
+
+def plan_cases(model: str, wrappers: List[str], world_sizes: List[int], counts: List[int],
+               batch_size: int, seq_len: int, warmup: int, steps: int) -> List[Dict[str, Any]]:
+    """One case per (world size, wrapper, k, mode); k = 1 once (no micro-steps to differ)."""
+    cases = []
+    for n in world_sizes:
+        for wrapper in wrappers:
+            for k in counts:
+                for mode in (['sharded'] if k == 1 else ['sharded', 'unsharded']):
+                    cases.append(dict(
+                        kind='accumulation', nproc=n, model=model, wrapper=wrapper, counts=k,
+                        mode=mode, batch_size=batch_size, seq_len=seq_len, warmup=warmup,
+                        steps=steps, name=f'accumulation/{model}/N{n}/{wrapper}/k{k}/{mode}'))
+    return cases
+
+
+def _mib(b: float) -> str:
+    return f'{b / 2**20:,.1f}'
+
+
+def table(results: List[Dict[str, Any]]) -> str:
+    """The markdown table of the results: peak vs k = 1, communication vs theory."""
+    base = {(r['world_size'], r['wrapper']): r['peak_bytes']['median'] for r in results
+            if r['counts'] == 1}
+    lines = ['| wrapper | N | k | accumulation | peak MiB | peak / peak at k=1 | comm MiB / step '
+             '| theory MiB | comm / theory |',
+             '|---|---|---|---|---|---|---|---|---|']
+    for r in sorted(results, key=lambda r: (r['wrapper'], r['world_size'], r['counts'],
+                                            r['mode'])):
+        peak = r['peak_bytes']['median']
+        ref = base.get((r['world_size'], r['wrapper']))
+        comm = r['comm_send_bytes']['median']
+        lines.append(
+            f"| {r['wrapper']} | {r['world_size']} | {r['counts']} | "
+            f"{r['mode'] if r['counts'] > 1 else '(either)'} | {_mib(peak)} | "
+            f"{peak / ref:.3f} | {_mib(comm)} | {_mib(r['theory_comm_bytes'])} | "
+            f"{comm / r['theory_comm_bytes']:.4f} |" if ref else '')
+    return '\n'.join(line for line in lines if line)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from .launch import torchrun
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', default='gpt-100m')
+    parser.add_argument('--wrappers', nargs='+', default=list(WRAPPERS), choices=list(WRAPPERS))
+    parser.add_argument('--world-sizes', type=int, nargs='+', default=[2, 4])
+    parser.add_argument('--counts', type=int, nargs='+', default=[1, 2, 4])
+    parser.add_argument('--batch-size', type=int, default=2)
+    parser.add_argument('--seq-len', type=int, default=64)
+    parser.add_argument('--warmup', type=int, default=1, help='optimizer steps not measured')
+    parser.add_argument('--steps', type=int, default=1, help='optimizer steps measured')
+    parser.add_argument('--out', default=DEFAULT_OUT)
+    parser.add_argument('--resume', action='store_true', help='skip the cases in --out')
+    parser.add_argument('--pack', action='store_true',
+                        help='one job per world size and wrapper (saves the start-ups; each '
+                        'case still takes its own baseline before building its model)')
+    args = parser.parse_args(argv)
+    cases = plan_cases(args.model, args.wrappers, args.world_sizes, args.counts,
+                       args.batch_size, args.seq_len, args.warmup, args.steps)
+    done: List[Dict[str, Any]] = []
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            done = json.load(f)['results']
+    names = {r['name'] for r in done}
+    jobs: Dict[Any, List[Dict[str, Any]]] = {}
+    for case in cases:
+        if case['name'] not in names:
+            key = (case['nproc'], case['wrapper']) if args.pack else case['name']
+            jobs.setdefault(key, []).append(case)
+    for job in jobs.values():
+        nproc = job[0]['nproc']
+        job = [{k: v for k, v in case.items() if k != 'nproc'} for case in job]
+        print(f"running {', '.join(case['name'] for case in job)}", flush=True)
+        done.extend(torchrun(job, nproc, timeout=3600))
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, 'w') as f:
+            json.dump(dict(results=done, packed=args.pack), f, indent=1)
+    print(table(done))
+
+
+if __name__ == '__main__':
+    main()
