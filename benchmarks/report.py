@@ -196,7 +196,7 @@ def _goal_lines(res: Results) -> List[str]:
 
 def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -> str:
     """The report as Markdown; plots are written to ``img_dir`` (``None``: no plots)."""
-    from . import allocator, gpu_report, notes, peers_report
+    from . import accumulation, allocator, gpu_report, notes, peers_report
     res = Results(data)
     lines = _header(res) + _goal_lines(res) + notes.failures(res)
     mem = res.of('memory')
@@ -246,6 +246,7 @@ def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -
     lines += _checkpoint_lines(res)
     lines += _construction_lines(res)
     lines += allocator.section_lines(allocator.load())
+    lines += accumulation.section_lines(accumulation.load())
     lines += gpu_report.gpu_lines(gpu_report.load())
     lines += peers_report.peers_lines(peers_report.load(), img_dir, img_rel)
     lines += notes.observations(res)

@@ -196,3 +196,13 @@ def test_accumulation_option_is_resolved_and_defaults_to_sharded(kind):
         config.from_dict(dict(accumulation='shard'))
     with pytest.raises(TypeError, match=r'model_wrapper_cfg\.accumulation: expected'):
         config.from_dict(dict(accumulation=True))
+
+
+def test_benchmark_theory_is_k_minus_1_extra_reduce_scatters():
+    from benchmarks.accumulation import comm_factor, plan_cases
+    for n in (2, 4):
+        for k in (1, 2, 4):
+            extra = comm_factor('sharded', k, n) - comm_factor('unsharded', k, n)
+            assert extra == pytest.approx((k - 1) * (n - 1) / n)
+    cases = plan_cases('gpt-100m', ['fsdp1', 'fsdp2'], [2, 4], [1, 2, 4], 2, 64, 0, 1)
+    assert len(cases) == 2 * 2 * 5  # k = 1 once, k = 2 and 4 in both modes
