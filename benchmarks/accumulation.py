@@ -108,7 +108,8 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return dict(kind='accumulation', name=case['name'], model=case['model'],
                 wrapper=case['wrapper'], mode=mode, counts=counts, world_size=world,
                 params=params, batch_size=case['batch_size'], seq_len=case['seq_len'],
-                steps=len(records), peak_bytes=summary(peak), comm_send_bytes=summary(comm),
+                warmup=case['warmup'], steps=len(records), peak_bytes=summary(peak),
+                comm_send_bytes=summary(comm),
                 comm_by_op=records[-1]['by_op'],
                 theory_comm_bytes=comm_factor(mode, counts, world) * params * BYTES_PER_ELEMENT)
 
@@ -132,30 +133,36 @@ def _mib(b: float) -> str:
     return f'{b / 2**20:,.1f}'
 
 
+def _step(warmup: int) -> str:
+    return 'step 1 (AdamW state made at its end)' if warmup == 0 else f'step {warmup + 1}'
+
+
 def table(results: List[Dict[str, Any]]) -> str:
     """The markdown table: peak vs k = 1, communication vs theory, the extra reduce-scatters."""
     from .workload import BYTES_PER_ELEMENT
-    base = {(r['world_size'], r['wrapper']): r['peak_bytes']['median'] for r in results
-            if r['counts'] == 1}
-    comm = {(r['world_size'], r['wrapper'], r['counts'], r['mode']): r['comm_send_bytes']['median']
-            for r in results}
-    lines = ['| wrapper | N | k | accumulation | peak MiB | peak / peak at k=1 | comm MiB / step '
-             '| theory MiB | comm / theory | (sharded − unsharded) / (k−1)(N−1)/N·P·b |',
-             '|---|---|---|---|---|---|---|---|---|---|']
-    for r in sorted(results, key=lambda r: (r['wrapper'], r['world_size'], r['counts'],
-                                            r['mode'])):
+    def key(r: Dict[str, Any]) -> tuple:
+        return r['wrapper'], r['world_size'], r.get('warmup', 1)
+
+    base = {key(r): r['peak_bytes']['median'] for r in results if r['counts'] == 1}
+    comm = {(key(r), r['counts'], r['mode']): r['comm_send_bytes']['median'] for r in results}
+    lines = ['| wrapper | N | measured step | k | accumulation | peak MiB | peak / peak at k=1 '
+             '| comm MiB / step | theory MiB | comm / theory '
+             '| (sharded − unsharded) / (k−1)(N−1)/N·P·b |',
+             '|---|---|---|---|---|---|---|---|---|---|---|']
+    for r in sorted(results, key=lambda r: (*key(r), r['counts'], r['mode'])):
         n, k = r['world_size'], r['counts']
-        ref = base.get((n, r['wrapper']))
+        ref = base.get(key(r))
         if not ref:
             continue
         peak, sent = r['peak_bytes']['median'], r['comm_send_bytes']['median']
         extra = ''
-        other = comm.get((n, r['wrapper'], k, 'unsharded'))
+        other = comm.get((key(r), k, 'unsharded'))
         if r['mode'] == 'sharded' and k > 1 and other is not None:
             theory = (k - 1) * (n - 1) / n * r['params'] * BYTES_PER_ELEMENT
             extra = f'{(sent - other) / theory:.4f}'
         lines.append(
-            f"| {r['wrapper']} | {n} | {k} | {r['mode'] if k > 1 else '(either)'} | "
+            f"| {r['wrapper']} | {n} | {_step(r.get('warmup', 1))} | {k} | "
+            f"{r['mode'] if k > 1 else '(either)'} | "
             f"{_mib(peak)} | {peak / ref:.3f} | {_mib(sent)} | {_mib(r['theory_comm_bytes'])} | "
             f"{sent / r['theory_comm_bytes']:.4f} | {extra} |")
     return '\n'.join(lines)
