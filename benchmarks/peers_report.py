@@ -154,6 +154,12 @@ def _value(row: Dict[str, Any], key: str) -> float:
     return row['memory'][key]['max' if key == 'state' else 'median']
 
 
+def _stage(mem: Dict[str, Any]) -> str:
+    stage = mem.get('stage', '?')
+    # The memory job builds the arm first on the tiny GPT (its warm-up step).
+    return 'fails while building' if stage.startswith('warm-up') or stage == 'build' else stage
+
+
 def _mib(n: float) -> str:
     return f'{n / MIB:,.1f}'
 
@@ -161,8 +167,8 @@ def _mib(n: float) -> str:
 def _cells(row: Dict[str, Any], full: int) -> List[str]:
     mem = row['memory']
     if not mem.get('ok'):
-        return [row['label'], row['family'].upper(), f"**no** ({mem.get('stage', '?')}: see "
-                'below)'] + ['—'] * 6
+        return [row['label'], row['family'].upper(), f"**no**: {_stage(mem)} (see below)"] + \
+            ['—'] * 6
     shard = ('yes' if row.get('sharded') else
              ('no (replicated, as configured)' if row['family'] == 'ddp' else
               '**no: does not shard**'))
@@ -281,7 +287,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
         lines += ['Arms that do not run on CPU, with the exact error (every rank raised it):', '']
         for r in failed:
             where = r['memory'].get('where') or []
-            lines.append(f"- **{r['label']}** ({r['memory'].get('stage')}): "
+            lines.append(f"- **{r['label']}** ({_stage(r['memory'])}): "
                          f"`{r['memory'].get('error')}`"
                          + (f" — raised at `{where[-1]}`" if where else ''))
         lines.append('')
