@@ -13,7 +13,7 @@ __all__ = ['JobFailed', 'MEMORY_KINDS', 'REPO', 'torchrun']
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Kinds whose results are resident-set sizes.
-MEMORY_KINDS = frozenset({'memory', 'construction', 'checkpoint', 'accumulation'})
+MEMORY_KINDS = frozenset({'memory', 'construction', 'checkpoint', 'accumulation', 'peak'})
 #: glibc serves allocations above this from mmap and unmaps them when freed, so the
 #: resident set follows the live tensors instead of what the heap keeps cached (by
 #: default glibc raises its threshold up to 32 MiB after the first large free, and

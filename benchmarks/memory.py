@@ -92,12 +92,13 @@ def plan_bytes(strategy: str, preset: str, world_size: int) -> Dict[str, Any]:
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``warmup + steps`` iterations of one case; return the result (rank 0)."""
     strategy = STRATEGIES[case['strategy']]
+    wrapper_cfg = dict(strategy.wrapper_cfg, **case.get('wrapper_options', {}))
     world = dist.get_world_size()
-    warm_up_bytes = warm_up(strategy.wrapper_cfg, case['name']) if case['warm_up'] else 0
+    warm_up_bytes = warm_up(wrapper_cfg, case['name']) if case['warm_up'] else 0
     baseline = rss_bytes()  # before the model is built
     counter = CollectiveCounter()
     with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir, counter:
-        cfg = runner_cfg(case['model'], strategy.wrapper_cfg, work_dir, case['name'],
+        cfg = runner_cfg(case['model'], wrapper_cfg, work_dir, case['name'],
                          case['batch_size'], case['seq_len'], case['warmup'] + case['steps'])
         runner = make_runner(cfg)
         probe = _StepProbe(counter)

@@ -395,7 +395,23 @@ def write_report(data: Dict[str, Any], path: str, img_dir: Optional[str] = None)
     rel = os.path.relpath(img_dir, os.path.dirname(os.path.abspath(path)))
     text = render(data, img_dir, rel)
     with open(path, 'w') as f:
-        f.write(text)
+        f.write(text + _kept_sections(path))
+
+
+#: Sections that other benchmark scripts write between these markers; kept on rewrite.
+KEPT = (('<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'), )
+
+
+def _kept_sections(path: str) -> str:
+    """The marked sections of the report now at ``path`` (``python -m benchmarks.peak_truth``)."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        return ''
+    kept = [begin + old.split(begin, 1)[1].split(end, 1)[0] + end + '\n'
+            for begin, end in KEPT if begin in old and end in old]
+    return ''.join('\n' + block for block in kept)
 
 
 def main() -> None:

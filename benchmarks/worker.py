@@ -16,13 +16,22 @@ import torch.distributed as dist
 
 from mmfsdp.dist import init_distributed
 
-from . import accumulation, agreement, checkpoint_cost, construction, memory, overhead, peers
+from . import (
+    accumulation,
+    agreement,
+    checkpoint_cost,
+    construction,
+    memory,
+    overhead,
+    peak_truth,
+    peers,
+)
 from .workload import threads_per_rank
 
 KINDS = dict(memory=memory.run_case, overhead=overhead.run_case,
              construction=construction.run_case, checkpoint=checkpoint_cost.run_case,
              agreement=agreement.run_case, peers=peers.run_case,
-             accumulation=accumulation.run_case)
+             accumulation=accumulation.run_case, peak=peak_truth.run_case)
 
 
 def main() -> None:

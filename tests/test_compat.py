@@ -365,3 +365,13 @@ def test_registration_dicts_hold_none_slots_and_swap_without_registering():
     compat.replace_registered(module, 'w', nn.Parameter(torch.zeros(1)))
     assert compat.direct_tensor(module, 'b').item() == 1.0 and module.w.item() == 0.0
     assert list(module.state_dict()) == ['w'], 'a swapped buffer must stay non-persistent'
+
+
+def test_fake_tensor_mode_computes_shapes_without_storage():
+    from mmfsdp.compat import fake_tensor_mode
+    with fake_tensor_mode():
+        x = torch.ones(4, 8)  # a real CPU input is converted on first use
+        y = torch.nn.functional.linear(torch.empty(1024, 1024), torch.empty(16, 1024))
+        z = (x @ torch.empty(8, 3)).sum()
+    assert y.shape == (1024, 16) and y.device.type == 'cpu' and z.shape == ()
+    assert type(y).__name__ == 'FakeTensor'

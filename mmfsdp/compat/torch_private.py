@@ -31,7 +31,8 @@ __all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', '
            'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors', 'direct_tensor',
            'direct_tensors', 'enable_cpu_huge_pages', 'fsdp1_reshard_if_gathered', 'initialiser',
            'operator_name', 'registered_buffers', 'registered_child', 'registered_children',
-           'registered_parameters', 'replace_registered', 'storage_key', 'written_arguments']
+           'registered_parameters', 'replace_registered', 'storage_key', 'written_arguments',
+           'fake_tensor_mode']
 
 #: The child name torch's FSDP1 gives the module it wraps.
 FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
@@ -146,6 +147,14 @@ def replace_registered(module: nn.Module, name: str, tensor: torch.Tensor) -> No
         module._parameters[name] = tensor
     else:
         module._buffers[name] = tensor
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` that turns real CPU inputs into fake tensors on first use."""
+    # why: only fake tensors (torch._subclasses) run a model's own forward and backward
+    # with shapes and dtypes but no storage: the plan's activation trace (mmfsdp.plan.trace)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def storage_key(tensor: torch.Tensor) -> int:

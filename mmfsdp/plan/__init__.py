@@ -3,6 +3,9 @@
 - :mod:`.spec`: what a wrapper will do (its ``sharding_spec`` classmethod);
 - :mod:`.memory`: bytes per rank of parameters, gradients, optimizer state;
 - :mod:`.report`: the table, the JSON object and the warnings;
+- :mod:`.trace`, :mod:`.batch`, :mod:`.step`: activations of one training step
+  traced with fake tensors, and the step's peak per rank;
+- :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
 from typing import Any, Mapping, Optional
@@ -14,9 +17,33 @@ from ..protocol import is_parallel_wrapper
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
 from .spec import Construction, Padding, ShardingSpec
+from .step import StepPeak, step_peak
+from .trace import BatchFn, StepTrace, trace_step
 
-__all__ = ['Construction', 'Padding', 'Plan', 'ShardingSpec', 'Unit', 'format_plan', 'make_plan',
-           'optimizer_states_per_param', 'plan_for', 'plan_to_dict', 'plan_warnings']
+__all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
+           'Unit', 'format_plan', 'make_plan', 'optimizer_states_per_param', 'plan_for',
+           'plan_to_dict', 'plan_warnings', 'step_peak', 'trace_for', 'trace_step']
+
+
+def _describe(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
+              world_size: int) -> ShardingSpec:
+    if not is_parallel_wrapper(wrapper_cls):
+        raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
+                        "mmfsdp's wrappers")
+    return wrapper_cls.sharding_spec(wrapper_options(wrapper_cfg), model, world_size)
+
+
+def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
+              batch: BatchFn, world_size: int = 1) -> StepTrace:
+    """Trace one training step of ``model`` as the wrapper config computes it.
+
+    Honours the config's ``activation_checkpointing`` and mixed-precision
+    ``param_dtype``, and attributes activations to the wrap policy's units.
+    ``world_size`` only has to be one the config accepts (a fixed ``mesh``).
+    """
+    spec = _describe(wrapper_cls, wrapper_cfg, model, world_size)
+    return trace_step(model, batch, units=spec.units, checkpoint_layers=spec.checkpoint_layers,
+                      compute_dtype=spec.compute_dtype)
 
 
 def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
@@ -27,10 +54,6 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     Raises ``TypeError`` if the wrapper cannot describe its sharding (only
     mmfsdp's wrappers can).
     """
-    if not is_parallel_wrapper(wrapper_cls):
-        raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
-                        "mmfsdp's wrappers")
-    options = wrapper_options(wrapper_cfg)
-    spec = wrapper_cls.sharding_spec(options, model, world_size)
+    spec = _describe(wrapper_cls, wrapper_cfg, model, world_size)
     return make_plan(model, spec, world_size,
                      optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema)

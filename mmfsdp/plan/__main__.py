@@ -5,6 +5,10 @@ Builds the config's model with its parameters and buffers on the meta device
 constructors may still compute with tensors; no process group, no memory,
 seconds even for billions of parameters), applies the configured wrapper and
 policy, and prints the plan for each world size, as tables or as JSON.
+Then it traces one training step with fake tensors (:mod:`.trace`) on a batch
+shaped like the config's and prints the step's peak per rank, activations
+included; ``--batch-size`` and ``--activation-checkpointing`` ask "what if",
+``--fit-memory 24GiB`` lists the configurations that fit (:mod:`.fit`).
 
 Names are looked up as the Runner looks them up: in the registries of the
 config's ``default_scope`` (e.g. ``default_scope = 'mmpretrain'`` with
@@ -15,10 +19,12 @@ import contextlib
 import json
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from mmengine.config import DictAction
 from mmengine.registry import MODELS, DefaultScope
+from torch import nn
 
 import mmfsdp  # noqa: F401  (fills the registries)
 
@@ -26,33 +32,72 @@ from ..config import load_config
 from ..ema import configures_ema
 from ..meta_init import empty_weights
 from ..wrappers.builder import resolve_wrapper_type
-from . import Plan, format_plan, plan_for, plan_to_dict
+from . import format_plan, plan_for, plan_to_dict, step_peak, trace_for
+from .batch import config_batch, shape_batch
+from .fit import fit, parse_bytes
+from .report import format_step, size_text
 
 DEFAULT_WRAPPER = dict(type='mmfsdp.MMDistributedDataParallel')
 PROG = 'python -m mmfsdp.plan'
+AC_KEY = 'model_wrapper_cfg.activation_checkpointing'
+DTYPES = dict(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16,
+              int64=torch.int64, int32=torch.int32, uint8=torch.uint8)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Command-line entry point."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split('\n\n')[0])
     parser.add_argument('config', help='an mmengine config file')
     parser.add_argument('--world-size', type=int, nargs='+', default=[1, 8, 64])
     parser.add_argument('--format', choices=['table', 'json'], default='table')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                         help='override settings of the config, as key=value pairs')
-    args = parser.parse_args(argv)
+    parser.add_argument('--batch-size', type=int, help='samples per rank (default: '
+                        'train_dataloader.batch_size)')
+    parser.add_argument('--activation-checkpointing', nargs='+', metavar='off|on|LAYER_CLS',
+                        help="'off', 'on' (the configured layer classes, else the classes of "
+                        "the wrap policy's units) or layer class names")
+    parser.add_argument('--input-shape', help='trace on inputs of this shape (e.g. 8,3,224,224) '
+                        "in mode='tensor' instead of a dataset sample")
+    parser.add_argument('--input-dtype', choices=sorted(DTYPES), default='float32')
+    parser.add_argument('--fit-memory', metavar='SIZE', help='list the world sizes, strategies '
+                        'and checkpointing settings whose peak per rank fits, e.g. 24GiB')
+    parser.add_argument('--no-trace', action='store_true',
+                        help='model states only: do not trace a training step')
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Command-line entry point."""
+    args = _parser().parse_args(argv)
+    budget = parse_bytes(args.fit_memory) if args.fit_memory else None
     # stdout carries the plan alone (JSON for scripts); mmengine logs to stdout.
     with contextlib.redirect_stdout(sys.stderr):
-        plans = _plans(args.config, args.cfg_options, args.world_size)
-    if args.format == 'json':
-        _print(json.dumps([plan_to_dict(p) for p in plans], indent=1))
-    else:
-        _print('\n\n'.join(format_plan(p) for p in plans))
+        text, data = _run(args, budget)
+    _print(json.dumps(data, indent=1) if args.format == 'json' else text)
 
 
-def _plans(config: str, cfg_options: dict, world_sizes: Sequence[int]) -> List[Plan]:
-    cfg = load_config(config)
-    cfg.merge_from_dict(cfg_options)
+def _unit_classes(model: nn.Module, units: Sequence[str]) -> List[str]:
+    return list(dict.fromkeys(type(model.get_submodule(u)).__name__ for u in units))
+
+
+def _checkpointing(choice: Optional[List[str]], wrapper_cfg: Dict[str, Any],
+                   model: nn.Module, units: Sequence[str]) -> List[str]:
+    """The layer classes to checkpoint: the config's, or the what-if's."""
+    configured = list((wrapper_cfg.get('activation_checkpointing') or {}).get('layer_cls', []))
+    if not choice:
+        return configured
+    if choice == ['off']:
+        return []
+    classes = choice if choice != ['on'] else configured or _unit_classes(model, units)
+    if not classes:
+        raise ValueError(f"--activation-checkpointing on: {AC_KEY} is not set and the wrap "
+                         'policy makes no units; name the layer classes instead')
+    return classes
+
+
+def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
+    cfg = load_config(args.config)
+    cfg.merge_from_dict(args.cfg_options)
     scope = cfg.get('default_scope', 'mmengine')
     wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
     wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
@@ -60,8 +105,73 @@ def _plans(config: str, cfg_options: dict, world_sizes: Sequence[int]) -> List[P
         model = MODELS.build(cfg.model)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     ema = configures_ema(cfg.get('custom_hooks'))
-    return [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema)
-            for n in world_sizes]
+    units = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
+                     ema=ema).spec.units
+    checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)
+    if args.activation_checkpointing:
+        if checkpoint and 'DistributedDataParallel' in wrapper_cls.__name__:
+            raise ValueError(f'--activation-checkpointing: {wrapper_cfg["type"]} has no '
+                             'activation_checkpointing option; use an FSDP wrapper, or '
+                             '--fit-memory to compare them')
+        wrapper_cfg['activation_checkpointing'] = (dict(layer_cls=checkpoint) if checkpoint
+                                                   else None)
+    plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema)
+             for n in args.world_size]
+    if args.no_trace and budget is None:
+        return '\n\n'.join(format_plan(p) for p in plans), [plan_to_dict(p) for p in plans]
+    with DefaultScope.overwrite_default_scope(scope):
+        if args.input_shape:
+            shape = [int(s) for s in args.input_shape.replace('x', ',').split(',')]
+            batch, size = shape_batch(shape, DTYPES[args.input_dtype], args.batch_size)
+        elif budget is not None:
+            batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
+        if budget is not None:
+            found = fit(model, wrapper_cfg, scope, batch, size, args.world_size,
+                        checkpoint or _unit_classes(model, units), optimizer, ema)
+            return _fit_text(found, budget, size), _fit_json(found, budget)
+        try:
+            if not args.input_shape:
+                batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
+            trace = trace_for(wrapper_cls, wrapper_cfg, model, batch, args.world_size[0])
+        except Exception as e:  # the model states still hold: print them, and why no step
+            reason = f'activations not traced: {type(e).__name__}: {e} (--input-shape gives ' \
+                     'the inputs without the dataset; --no-trace skips the trace)'
+            return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
+                    [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
+    steps = [step_peak(p, trace, size) for p in plans]
+    text = '\n\n'.join(format_plan(p) + '\n' + format_step(s) for p, s in zip(plans, steps))
+    return text, [dict(plan_to_dict(p), step=s.to_dict()) for p, s in zip(plans, steps)]
+
+
+def _fit_json(found: list, budget: int) -> List[Dict[str, Any]]:
+    return [dict(world_size=c.world_size, strategy=c.label, model_wrapper_cfg=c.wrapper_cfg,
+                 fits=c.peak_bytes <= budget, **c.step.to_dict()) for c in found]
+
+
+def _fit_text(found: list, budget: int, batch_size: int) -> str:
+    fits = [c for c in found if c.peak_bytes <= budget]
+    head = f'{"world size":>10}  {"strategy":<34} {"AC":<4} {"peak/rank":>10} ' \
+           f'{"states":>10} {"gathered":>10} {"activations":>11} {"transient":>10}'
+    lines = [f'fits in {size_text(budget)} per rank with batch {batch_size} per rank '
+             f'({len(fits)} of {len(found)} configurations, cheapest first):', head]
+    for c in fits:
+        s = c.step
+        lines.append(f'{c.world_size:>10}  {c.label:<34} {"on" if c.checkpointing else "off":<4} '
+                     f'{size_text(s.total_bytes):>10} {size_text(s.model_state_bytes):>10} '
+                     f'{size_text(s.gathered_bytes):>10} {size_text(s.activation_bytes):>11} '
+                     f'{size_text(s.transient_bytes):>10}')
+    if fits:
+        best = fits[0]
+        lines.append(f'smallest that fits: {best.world_size} ranks, {best.label}, activation '
+                     f'checkpointing {"on" if best.checkpointing else "off"}: '
+                     f'model_wrapper_cfg={best.wrapper_cfg!r}')
+    else:
+        low = min(found, key=lambda c: c.peak_bytes)
+        lines.append(f'nothing fits; the lowest peak is {size_text(low.peak_bytes)} per rank '
+                     f'({low.world_size} ranks, {low.label}, activation checkpointing '
+                     f'{"on" if low.checkpointing else "off"}): try more ranks or a smaller '
+                     'batch (--world-size, --batch-size)')
+    return '\n'.join(lines)
 
 
 def _print(text: str) -> None:

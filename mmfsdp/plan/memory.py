@@ -97,12 +97,27 @@ class Plan:
         return self.numel * self.element_bytes
 
     @property
+    def gathered_in_flight_bytes(self) -> int:
+        """Unsharded parameters and gradients alive at once, or 0 when nothing is gathered.
+
+        Parameters: 2 x the largest unit (the one computing and the one
+        prefetched), or every unit when they stay gathered from forward to
+        backward. Gradients: the largest unit's unsharded gradient, which
+        lives in backward until it is reduce-scattered.
+        """
+        largest = self.largest_unit
+        if self.spec.keep_gathered_until_backward:
+            params = sum(u.gathered_bytes for u in self.units)
+        elif self.spec.shard_params or self.spec.gathers_unsharded:
+            params = 2 * largest.gathered_bytes
+        else:
+            return 0
+        return params + largest.gathered_bytes
+
+    @property
     def peak_bytes_per_rank_estimate(self) -> int:
         """Model states + gathered parameters in flight; activations not included."""
-        gathered = 2 * self.largest_unit.gathered_bytes if self.spec.shard_params else 0
-        if self.spec.keep_gathered_until_backward:
-            gathered = sum(u.gathered_bytes for u in self.units)
-        return self.model_state_bytes_per_rank + gathered
+        return self.model_state_bytes_per_rank + self.gathered_in_flight_bytes
 
 
 def _shard_numel(params: List[nn.Parameter], spec: ShardingSpec, sharded: bool) -> int:

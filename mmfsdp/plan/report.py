@@ -2,13 +2,20 @@
 from typing import Any, Dict, List
 
 from .memory import Plan
+from .step import StepPeak
 
-__all__ = ['ROOT_SHARE_LIMIT', 'UNIT_COUNT_LIMIT', 'format_plan', 'plan_to_dict', 'plan_warnings']
+__all__ = ['ROOT_SHARE_LIMIT', 'UNIT_COUNT_LIMIT', 'format_plan', 'format_step', 'plan_to_dict',
+           'plan_warnings']
 
 #: Warn when the root unit keeps more than this share of the parameters.
 ROOT_SHARE_LIMIT = 0.5
 #: Warn when a plan has more units than this.
 UNIT_COUNT_LIMIT = 1000
+
+
+def size_text(n: float) -> str:
+    """Bytes for people: ``1.5 GiB``."""
+    return _size(n)
 
 
 def _size(n: float) -> str:
@@ -109,3 +116,24 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
     if with_warnings:
         lines += [f'warning: {w}' for w in plan_warnings(plan)]
     return '\n'.join(lines)
+
+
+def format_step(step: StepPeak, max_units: int = 8) -> str:
+    """The training step's peak and its parts (the lines under a plan's table)."""
+    trace = step.trace
+    checkpointed = ', '.join(trace.checkpointed) or 'off'
+    dtype = str(trace.compute_dtype).replace('torch.', '')
+    units = sorted(trace.by_unit.items(), key=lambda kv: -kv[1])
+    shown = ', '.join(f"{name or '(root)'} {_size(n)}" for name, n in units[:max_units])
+    more = len(units) - max_units
+    return '\n'.join([
+        f'training step, batch {step.batch_size} per rank (activation checkpointing: '
+        f'{checkpointed}; computing in {dtype}): peak {_size(step.total_bytes)} per rank = '
+        f'model states {_size(step.model_state_bytes)} + gathered units '
+        f'{_size(step.gathered_bytes)} + activations {_size(step.activation_bytes)} + '
+        f'largest transient {_size(step.transient_bytes)}',
+        'activations kept for backward, by unit: ' + shown +
+        (f' and {more} more' if more > 0 else '')] +
+        ([f'gradients ({_size(step.freed_grad_bytes)}) are freed between steps: backward '
+          'creates them as it frees the activations, so the peak counts the larger of the two']
+         if step.freed_grad_bytes else []))

@@ -7,9 +7,10 @@ never disagree with what the wrapper builds.
 """
 import enum
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Type
 
 import torch
+from torch import nn
 
 __all__ = ['Construction', 'Padding', 'ShardingSpec']
 
@@ -66,3 +67,13 @@ class ShardingSpec:
     compute_dtype: Optional[torch.dtype] = None
     #: How the wrapper builds the model (see :class:`Construction`).
     construction: Construction = Construction.FULL
+    #: Whether the wrapper all-gathers into unsharded parameters even when
+    #: ``shard_size`` is 1 (FSDP2 does; FSDP1 then computes on its shards).
+    gathers_unsharded: bool = False
+    #: Whether gradients are freed between steps: ``optimizer.zero_grad()`` sets
+    #: them to ``None`` (FSDP2's DTensor gradients; FSDP1 then drops its flat
+    #: gradient at the next forward), so they exist only from backward to the
+    #: optimizer step. DDP's buckets stay allocated.
+    grads_freed_between_steps: bool = False
+    #: Layer classes wrapped in activation checkpointing (``activation_checkpointing``).
+    checkpoint_layers: Tuple[Type[nn.Module], ...] = ()

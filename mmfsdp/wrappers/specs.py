@@ -20,7 +20,7 @@ __all__ = ['fsdp1_spec', 'fully_shard_spec']
 
 def fsdp1_spec(cfg: FSDPConfig, module: nn.Module, world_size: int) -> ShardingSpec:
     """FSDP1: hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks (all, unset)."""
-    policy, _ = cfg.for_model(module)
+    policy, checkpoint_layers = cfg.for_model(module)
     strategy = cfg.sharding_strategy
     shard = world_size
     if strategy is ShardingStrategy.NO_SHARD:
@@ -37,12 +37,13 @@ def fsdp1_spec(cfg: FSDPConfig, module: nn.Module, world_size: int) -> ShardingS
         keep_gathered_until_backward=sharded and strategy in (
             ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
         compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None,
-        construction=Construction.UNIT_BY_UNIT)
+        construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True,
+        checkpoint_layers=checkpoint_layers)
 
 
 def fully_shard_spec(cfg: FullyShardConfig, module: nn.Module, world_size: int) -> ShardingSpec:
     """FSDP2: ``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset)."""
-    policy, _ = cfg.for_model(module)
+    policy, checkpoint_layers = cfg.for_model(module)
     local = local_world_size() or world_size
     replicate, shard = cfg.mesh.sizes(world_size, min(local, world_size)
                                       if cfg.mesh.shard == NODE else None)
@@ -55,5 +56,7 @@ def fully_shard_spec(cfg: FullyShardConfig, module: nn.Module, world_size: int) 
         keep_gathered_until_backward=shard > 1 and reshard is not True,
         compute_dtype=cfg.mixed_precision.param_dtype,
         construction=(Construction.SHARDS if cfg.init_device == 'meta'
-                      else Construction.FULL))
+                      else Construction.FULL),
+        gathers_unsharded=True, grads_freed_between_steps=True,
+        checkpoint_layers=checkpoint_layers)
 

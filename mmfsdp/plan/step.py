@@ -1,0 +1,83 @@
+"""The peak of one training step per rank: the sharding plan plus the traced activations.
+
+    peak = model state (parameters, gradients, optimizer state: the plan, exact)
+         + gathered units in flight (the plan: what the wrapper all-gathers at once)
+         + activations (the trace: alive when forward ends)
+         + the largest transient (the trace: how far backward rises above them)
+
+Where gradients are freed between steps (FSDP1, FSDP2: ``zero_grad()`` drops them),
+backward creates them as it frees the activations, so the two count once,
+as the larger: ``peak = state - grads + gathered + max(activations, grads) + transient``.
+
+The model state and the gathered units depend on the world size and the
+strategy, the activations on the batch, checkpointing and the compute dtype
+only, so one trace serves every world size and strategy that computes alike.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict
+
+from .memory import Plan
+from .trace import StepTrace
+
+__all__ = ['StepPeak', 'step_peak']
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The parts of a training step's peak on one rank, in bytes."""
+
+    plan: Plan
+    trace: StepTrace
+    batch_size: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state (+ EMA) held between steps."""
+        return self.plan.model_state_bytes_per_rank
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Unsharded parameters alive at once (0 when nothing is sharded)."""
+        return self.plan.gathered_in_flight_bytes
+
+    @property
+    def activation_bytes(self) -> int:
+        """What the forward leaves for backward (after checkpointing)."""
+        return self.trace.activation_bytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """The rise above the activations during backward."""
+        return self.trace.transient_bytes
+
+    @property
+    def freed_grad_bytes(self) -> int:
+        """Gradient bytes per rank that do not exist between steps (0: they stay allocated)."""
+        if not self.plan.spec.grads_freed_between_steps:
+            return 0
+        return sum(u.grad_bytes for u in self.plan.units)
+
+    @property
+    def total_bytes(self) -> int:
+        """The predicted peak per rank of one training step."""
+        grads = self.freed_grad_bytes
+        return (self.model_state_bytes - grads + self.gathered_bytes
+                + max(self.activation_bytes, grads) + self.transient_bytes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The parts as plain JSON-able values."""
+        return dict(batch_size=self.batch_size,
+                    activation_checkpointing=list(self.trace.checkpointed),
+                    compute_dtype=str(self.trace.compute_dtype).replace('torch.', ''),
+                    model_state_bytes=self.model_state_bytes, gathered_bytes=self.gathered_bytes,
+                    activation_bytes=self.activation_bytes,
+                    transient_bytes=self.transient_bytes,
+                    grads_freed_between_steps_bytes=self.freed_grad_bytes,
+                    peak_bytes=self.total_bytes,
+                    activation_bytes_by_unit={k or '(root)': v
+                                              for k, v in self.trace.by_unit.items()})
+
+
+def step_peak(plan: Plan, trace: StepTrace, batch_size: int) -> StepPeak:
+    """Combine a plan and a trace of the same model (the trace's batch is one rank's)."""
+    return StepPeak(plan=plan, trace=trace, batch_size=batch_size)

@@ -1,0 +1,183 @@
+"""Activation memory of one training step, traced with fake tensors (no memory, any device).
+
+The model's own forward and backward run under ``FakeTensorMode``: every op
+computes shapes and dtypes but allocates nothing. A dispatch mode watches the
+storages each op creates and when they die, so the trace knows the bytes alive
+at every moment of the step beyond the parameters:
+
+- **activations**: what is alive when forward ends (everything autograd
+  saved for backward, plus the loss), each attributed to the unit whose
+  forward allocated it;
+- **peak**: the most alive at any moment of forward + backward (activations
+  plus the gradients of activations, recomputed checkpointed layers, and the
+  per-parameter gradients until they are handed to the wrapper).
+
+What the wrapper does with parameters and gradients (gathering, sharding,
+reducing) is not traced: :mod:`.step` adds it from the sharding plan.
+"""
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+from ..activation_checkpointing import apply_activation_checkpointing_to
+from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
+
+__all__ = ['StepTrace', 'trace_step']
+
+#: Makes the training batch inside the trace: ``(model) -> (args, kwargs)`` of a
+#: call whose result holds the loss (see :mod:`.batch`).
+BatchFn = Callable[[nn.Module], Tuple[tuple, Dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """Bytes beyond the parameters during one traced training step (one rank's batch)."""
+
+    #: Alive when forward ends: what backward needs (activations), plus the loss.
+    activation_bytes: int
+    #: The most alive at any moment of forward + backward.
+    peak_bytes: int
+    #: ``activation_bytes`` by the unit whose forward allocated them (``''``: the root).
+    by_unit: Mapping[str, int]
+    #: Layer classes that were checkpointed (recomputed in backward).
+    checkpointed: Tuple[str, ...]
+    #: dtype the parameters computed in (mixed precision).
+    compute_dtype: torch.dtype
+
+    @property
+    def transient_bytes(self) -> int:
+        """How far the peak rises above the activations (gradients, recomputation)."""
+        return self.peak_bytes - self.activation_bytes
+
+
+def _leaves(obj: Any) -> List[Any]:
+    """The leaves of nested lists, tuples and dicts (an op's arguments or outputs)."""
+    if isinstance(obj, (list, tuple)):
+        return [leaf for item in obj for leaf in _leaves(item)]
+    if isinstance(obj, Mapping):
+        return [leaf for item in obj.values() for leaf in _leaves(item)]
+    return [obj]
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages ops create, while they live, by current unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: Dict[int, Tuple[int, str]] = {}
+        self.current = 0
+        self.peak = 0
+        self.unit_stack: List[str] = ['']
+
+    def _free(self, key: int) -> None:
+        nbytes, _ = self.live.pop(key, (0, ''))
+        self.current -= nbytes
+
+    def by_unit(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for nbytes, unit in self.live.values():
+            out[unit] = out.get(unit, 0) + nbytes
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # A view, or an in-place op, returns storage it was given: not a new allocation.
+        given = {storage_key(t) for t in _leaves((args, kwargs or {}))
+                 if isinstance(t, torch.Tensor)}
+        for tensor in _leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage_key(tensor)
+            if key in given or key in self.live:
+                continue
+            self.live[key] = (storage.nbytes(), self.unit_stack[-1])
+            self.current += storage.nbytes()
+            weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def _fake_copy(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> nn.Module:
+    """A copy of ``model`` (call under fake mode) whose tensors are fake CPU tensors.
+
+    Floating-point parameters take ``compute_dtype``, as mixed precision
+    gathers them; tied parameters stay one tensor.
+    """
+    fake = copy.deepcopy(model)
+    made: Dict[int, torch.Tensor] = {}  # by id of the original: tied tensors stay tied
+
+    def empty(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        if dtype is None or not t.is_floating_point():
+            dtype = t.dtype
+        return torch.empty(t.shape, dtype=dtype, device='cpu')
+
+    for module in fake.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(empty(param, compute_dtype), param.requires_grad)
+            module.register_parameter(name, made[id(param)])
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if id(buffer) not in made:
+                made[id(buffer)] = empty(buffer, None)
+            replace_registered(module, name, made[id(buffer)])
+    return fake.train()
+
+
+def _track_units(model: nn.Module, units: Tuple[str, ...], live: _LiveBytes) -> None:
+    """Keep ``live.unit_stack`` on the innermost unit whose forward is running."""
+    def enter(name: str) -> None:
+        live.unit_stack.append(name)
+
+    def leave() -> None:
+        live.unit_stack.pop()
+
+    for name in units:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(lambda m, args, name=name: enter(name))
+        module.register_forward_hook(lambda m, args, out: leave())
+
+
+def _loss(output: Any) -> torch.Tensor:
+    """The scalar to differentiate: mmengine's ``loss`` entries summed, else every float output."""
+    if isinstance(output, Mapping):
+        tensors = [v for k, v in output.items() if 'loss' in k]
+        output = tensors or list(output.values())
+    leaves = [t for t in _leaves(output)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise ValueError('the traced step produced no differentiable output to call backward on')
+    return sum(t.float().sum() if t.dim() else t.float() for t in leaves)
+
+
+def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
+               checkpoint_layers: Tuple[Type[nn.Module], ...] = (),
+               compute_dtype: Optional[torch.dtype] = None) -> StepTrace:
+    """Trace forward + backward of ``model`` (real or on the meta device; left untouched).
+
+    ``units`` are the wrapper's unit names (:attr:`ShardingSpec.units`);
+    ``checkpoint_layers`` the classes wrapped in activation checkpointing;
+    ``compute_dtype`` the dtype mixed precision computes in.
+    """
+    with fake_tensor_mode():
+        fake = _fake_copy(model, compute_dtype)
+        live = _LiveBytes()
+        _track_units(fake, units, live)
+        apply_activation_checkpointing_to(fake, tuple(checkpoint_layers))
+        for param in fake.parameters():
+            # The wrapper takes each gradient as it is accumulated (reduces it into
+            # its own buffers, counted by the plan): keep none here.
+            param.register_post_accumulate_grad_hook(lambda p: setattr(p, 'grad', None))
+        with live:
+            args, kwargs = batch(fake)
+            loss = _loss(fake(*args, **kwargs))
+            activations, by_unit = live.current, live.by_unit()
+            loss.backward()
+    return StepTrace(activation_bytes=activations, peak_bytes=live.peak, by_unit=by_unit,
+                     checkpointed=tuple(c.__name__ for c in checkpoint_layers),
+                     compute_dtype=compute_dtype or next(model.parameters()).dtype)

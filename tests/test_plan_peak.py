@@ -1,0 +1,147 @@
+"""The plan's step peak: activations traced with fake tensors, what-ifs, --fit-memory, truth."""
+import functools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from mmfsdp.plan import plan_for, step_peak, trace_for
+from mmfsdp.plan.batch import config_batch, shape_batch
+from mmfsdp.plan.fit import parse_bytes
+from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
+BLOCKS = dict(type='transformer', layer_cls=['TransformerBlock'])
+FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
+AC = dict(activation_checkpointing=dict(layer_cls=['TransformerBlock']))
+DATA = dict(batch_size=2, collate_fn=dict(type='default_collate'),
+            dataset=dict(type='mmfsdp.StdlibCharDataset', block_size=64, max_chars=20_000))
+
+
+def _gpt():
+    from mmfsdp.demo import GPT
+    with torch.device('meta'):
+        return GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+@functools.cache
+def _trace(checkpointing=False, bf16=False, batch_size=2):
+    wrapper = dict(FSDP, **AC) if checkpointing else dict(FSDP)
+    if bf16:
+        wrapper['mixed_precision'] = dict(param_dtype='bf16')
+    batch, _ = config_batch(DATA, 'mmengine', batch_size)
+    return trace_for(MMFullyShardedDataParallel, wrapper, _gpt(), batch)
+
+
+def test_activations_grow_with_the_batch_and_shrink_with_checkpointing():
+    two, eight = _trace(), _trace(batch_size=8)
+    assert 3.8 < eight.activation_bytes / two.activation_bytes <= 4.0
+    assert set(two.by_unit) == {'', 'blocks.0', 'blocks.1', 'blocks.2', 'blocks.3'}
+    assert sum(two.by_unit.values()) == two.activation_bytes
+    checkpointed = _trace(checkpointing=True, batch_size=8)
+    assert checkpointed.checkpointed == ('TransformerBlock', )
+    # only each block's input is kept: (B, T, C) floats per block
+    assert checkpointed.by_unit['blocks.0'] == 8 * 64 * 128 * 4
+    assert checkpointed.activation_bytes < eight.activation_bytes / 4
+    # backward recomputes one block at a time: its activations come back as a transient
+    assert checkpointed.transient_bytes > eight.by_unit['blocks.0']
+
+
+def test_mixed_precision_activations_take_the_compute_dtype():
+    full = _trace(batch_size=8)
+    half = _trace(bf16=True, batch_size=8)
+    assert half.compute_dtype == torch.bfloat16
+    # LayerNorm keeps its statistics in float32: a few KiB over half
+    assert 0.5 <= half.by_unit['blocks.1'] / full.by_unit['blocks.1'] < 0.51
+
+
+def test_step_peak_adds_the_parts_and_the_model_is_left_untouched():
+    model = _gpt()
+    before = [(n, p.device, p.dtype) for n, p in model.named_parameters()]
+    batch, _ = config_batch(DATA, 'mmengine')
+    trace_for(MMFullyShardedDataParallel, dict(FSDP, **AC), model, batch)
+    trace = _trace()
+    plan = plan_for(MMFullyShardedDataParallel, FSDP, model, 2, dict(type='AdamW'))
+    step = step_peak(plan, trace, 2)
+    grads = sum(u.grad_bytes for u in plan.units)
+    assert step.freed_grad_bytes == grads
+    assert step.total_bytes == (plan.model_state_bytes_per_rank - grads
+                                + plan.gathered_in_flight_bytes
+                                + max(trace.activation_bytes, grads) + trace.transient_bytes)
+    assert [(n, p.device, p.dtype) for n, p in model.named_parameters()] == before
+    # DDP's gradient buckets stay allocated: gradients and activations add up
+    ddp = plan_for(MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel'),
+                   model, 2, dict(type='AdamW'))
+    assert step_peak(ddp, trace, 2).total_bytes == (ddp.model_state_bytes_per_rank
+                                                    + trace.peak_bytes)
+    assert not any(hasattr(m, '_checkpoint_wrapped_module') for m in model.modules())
+
+
+def test_an_input_shape_traces_without_a_dataset():
+    batch, size = shape_batch([3, 64], torch.int64, batch_size=6)
+    trace = trace_for(MMFullyShardedDataParallel, FSDP, _gpt(), batch)
+    assert size == 6 and trace.activation_bytes > 0
+
+
+def test_sizes_read_as_budgets():
+    assert parse_bytes('24GiB') == 24 * 2**30 and parse_bytes('80 GB') == 80 * 10**9
+    with pytest.raises(ValueError, match='--fit-memory.*24GiB'):
+        parse_bytes('24 gigs')
+
+
+def _cli(capsys, *args):
+    """The dry-run CLI in this process (no interpreter start-up), its standard output."""
+    from mmfsdp.plan.__main__ import main
+    capsys.readouterr()
+    main([CONFIG, *args, '--cfg-options', 'train_dataloader.dataset.max_chars=20000'])
+    return capsys.readouterr().out
+
+
+def test_what_ifs_change_batch_and_checkpointing(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    plans = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json', '--batch-size', '4',
+                            '--activation-checkpointing', 'on'))
+    step = plans[0]['step']
+    assert step['batch_size'] == 4 and step['activation_checkpointing'] == ['TransformerBlock']
+    grads = step['grads_freed_between_steps_bytes']
+    assert grads > 0  # FSDP1 drops its gradients between steps
+    assert step['peak_bytes'] == (step['model_state_bytes'] - grads + step['gathered_bytes']
+                                  + max(step['activation_bytes'], grads)
+                                  + step['transient_bytes'])
+    default = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json'))[0]['step']
+    assert default['batch_size'] == 16 and default['activation_checkpointing'] == []
+    assert default['activation_bytes'] > 4 * step['activation_bytes']
+
+
+def test_fit_memory_lists_what_fits_cheapest_first(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    rows = json.loads(_cli(capsys, '--world-size', '1', '2', '4', '--fit-memory', '1GiB',
+                           '--format', 'json'))
+    assert {r['strategy'] for r in rows} >= {'DDP', 'FSDP1 FULL_SHARD',
+                                             'FSDP2 reshard_after_forward=True'}
+    assert {bool(r['activation_checkpointing']) for r in rows} == {False, True}
+    assert all(r['fits'] == (r['peak_bytes'] <= 2**30) for r in rows)
+    assert [r['world_size'] for r in rows] == sorted(r['world_size'] for r in rows)
+    # every world size and strategy, checkpointing on and off (DDP: off only)
+    assert len(rows) == 3 * 9
+    text = _cli(capsys, '--world-size', '2', '8', '--fit-memory', '20MiB')
+    assert 'smallest that fits: 2 ranks' in text or 'smallest that fits: 8 ranks' in text
+    assert 'nothing fits' in _cli(capsys, '--world-size', '2', '--fit-memory', '1MiB')
+
+
+def test_predicted_peak_is_within_10_percent_of_the_measured_peak():
+    # One FSDP2 job on 2 ranks (gpt-25m, batch 8, activation checkpointing), measured as the
+    # benchmark measures it: resident-set high-water mark above the pre-model baseline.
+    sys.path.insert(0, REPO)
+    from benchmarks.launch import torchrun
+    from benchmarks.peak_truth import AC as CHECKPOINT
+    case = dict(kind='peak', model='gpt-25m', strategy='FSDP2 reshard', name='truth',
+                wrapper_options=dict(activation_checkpointing=CHECKPOINT), batch_size=8,
+                seq_len=64, warmup=1, steps=1, warm_up=True)
+    result = torchrun([case], 2, timeout=600)[0]
+    measured, predicted = result['peak_bytes']['median'], result['predicted']['peak_bytes']
+    print(f'measured {measured / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB')
+    assert abs(predicted - measured) <= 0.10 * measured
