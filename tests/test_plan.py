@@ -156,8 +156,9 @@ def test_dry_run_prints_the_plan_of_every_example_config(config):
 
 
 def test_dry_run_of_a_billion_parameters_takes_seconds():
+    # --no-trace: the plan of the model states; the step trace is tests/test_plan_peak.py's
     out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', 'configs/gpt-nano_fsdp_2xcpu.py',
-                          '--world-size', '64', '--format', 'json', '--cfg-options',
+                          '--world-size', '64', '--format', 'json', '--no-trace', '--cfg-options',
                           'model.n_layer=24', 'model.n_embd=1792', 'model.n_head=28'],
                          cwd=REPO, check=True, capture_output=True, text=True, timeout=60).stdout
     plan = json.loads(out)[0]
