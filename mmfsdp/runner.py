@@ -304,10 +304,12 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
         if not is_main_process() or not is_parallel_wrapper(self._wrapper_cls):
             return
-        optimizer = (self.cfg.get('optim_wrapper') or {}).get('optimizer')
+        optim_cfg = self.cfg.get('optim_wrapper') or {}
+        optimizer = optim_cfg.get('optimizer')
         plan = plan_for(self._wrapper_cls, self._wrapper_cfg, model, self.world_size,
                         optimizer if isinstance(optimizer, Mapping) else None,
-                        ema=configures_ema(self.cfg.get('custom_hooks')))
+                        ema=configures_ema(self.cfg.get('custom_hooks')),
+                        accumulative_counts=optim_cfg.get('accumulative_counts', 1))
         self.logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
         for warning in plan_warnings(plan):
             self.logger.warning(f'Sharding plan: {warning}')

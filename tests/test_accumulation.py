@@ -213,3 +213,22 @@ def test_benchmark_theory_is_k_minus_1_extra_reduce_scatters():
             assert extra == pytest.approx((k - 1) * (n - 1) / n)
     cases = plan_cases('gpt-100m', ['fsdp1', 'fsdp2'], [2, 4], [1, 2, 4], 2, 64, 0, 1)
     assert len(cases) == 2 * 2 * 5  # k = 1 once, k = 2 and 4 in both modes
+
+
+@pytest.mark.parametrize('kind', [FSDP1, FSDP2])
+def test_plan_gradient_bytes_follow_the_mode_when_accumulating(kind):
+    from mmfsdp.plan import plan_for
+    from mmfsdp.registry import MODEL_WRAPPERS
+    from toy import ToyClassifier
+    model = ToyClassifier()
+    wrapper_cls = MODEL_WRAPPERS.get(kind.split('.')[-1])
+
+    def grad_bytes(mode: str, counts: int) -> int:
+        plan = plan_for(wrapper_cls, _wrapper(kind, mode), model, 2, dict(type='AdamW'),
+                        accumulative_counts=counts)
+        return sum(u.grad_bytes for u in plan.units)
+
+    full = sum(p.numel() for p in model.parameters()) * 4
+    assert grad_bytes('unsharded', COUNTS) == full  # every rank holds whole gradients
+    for mode, counts in (('sharded', COUNTS), ('sharded', 1), ('unsharded', 1)):
+        assert grad_bytes(mode, counts) <= full / 2 + 64  # the shard (and its padding)

@@ -48,12 +48,16 @@ def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Modul
 
 def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
              world_size: int, optimizer_cfg: Optional[Mapping[str, Any]] = None,
-             ema: bool = False) -> Plan:
+             ema: bool = False, accumulative_counts: int = 1) -> Plan:
     """The plan of ``model`` under a ``model_wrapper_cfg`` (``ema``: an EMAHook is configured).
+
+    ``accumulative_counts`` is the optim wrapper's: with ``accumulation='unsharded'``
+    and more than one micro-step, gradients are planned unsharded.
 
     Raises ``TypeError`` if the wrapper cannot describe its sharding (only
     mmfsdp's wrappers can).
     """
     spec = _describe(wrapper_cls, wrapper_cfg, model, world_size)
     return make_plan(model, spec, world_size,
-                     optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema)
+                     optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
+                     accumulative_counts=accumulative_counts)

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
         model = MODELS.build(cfg.model)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
+    counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
     units = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
                      ema=ema).spec.units
@@ -115,8 +116,8 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
                              '--fit-memory to compare them')
         wrapper_cfg['activation_checkpointing'] = (dict(layer_cls=checkpoint) if checkpoint
                                                    else None)
-    plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema)
-             for n in args.world_size]
+    plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema,
+                      accumulative_counts=counts) for n in args.world_size]
     if args.no_trace and budget is None:
         return '\n\n'.join(format_plan(p) for p in plans), [plan_to_dict(p) for p in plans]
     with DefaultScope.overwrite_default_scope(scope):

@@ -147,12 +147,17 @@ def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.
 
 
 def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
-              optimizer_states: int = 2, ema: bool = False) -> Plan:
+              optimizer_states: int = 2, ema: bool = False,
+              accumulative_counts: int = 1) -> Plan:
     """The memory plan of ``model`` (real or on the meta device) under ``spec``.
 
     With ``ema`` (an ``EMAHook`` is configured), each rank also holds an
-    averaged copy of its parameter shards (:mod:`mmfsdp.ema`).
+    averaged copy of its parameter shards (:mod:`mmfsdp.ema`). With
+    ``accumulative_counts > 1`` and ``accumulation='unsharded'``, each rank
+    holds full gradients between micro-steps.
     """
+    grads_sharded = spec.shard_grads and not (accumulative_counts > 1
+                                              and spec.unsharded_accumulation)
     grouped = _unit_params(model, spec.units)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     units = []
@@ -164,7 +169,7 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
                          if spec.compute_dtype else dtype_bytes)
         numel = sum(p.numel() for p in params)
         param_numel = _shard_numel(params, spec, spec.shard_params)
-        grad_numel = _shard_numel(params, spec, spec.shard_grads)
+        grad_numel = _shard_numel(params, spec, grads_sharded)
         optim_numel = _shard_numel(params, spec, spec.shard_optimizer)
         module = model.get_submodule(name) if name else model
         units.append(Unit(name=name, cls=type(module).__name__, numel=numel,

@@ -77,3 +77,6 @@ class ShardingSpec:
     grads_freed_between_steps: bool = False
     #: Layer classes wrapped in activation checkpointing (``activation_checkpointing``).
     checkpoint_layers: Tuple[Type[nn.Module], ...] = ()
+    #: Whether gradient accumulation keeps full, unsharded gradients between
+    #: micro-steps (``accumulation='unsharded'``) instead of the gradient shard.
+    unsharded_accumulation: bool = False

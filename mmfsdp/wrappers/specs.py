@@ -8,7 +8,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import local_world_size
-from ..options import NODE
+from ..options import NODE, Accumulation
 from ..plan.spec import Construction, Padding, ShardingSpec
 from ..policies import plan_units
 from .config import FSDPConfig, FullyShardConfig
@@ -38,7 +38,8 @@ def fsdp1_spec(cfg: FSDPConfig, module: nn.Module, world_size: int) -> ShardingS
             ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
         compute_dtype=cfg.mixed_precision.param_dtype if cfg.mixed_precision else None,
         construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True,
-        checkpoint_layers=checkpoint_layers)
+        checkpoint_layers=checkpoint_layers,
+        unsharded_accumulation=cfg.accumulation is Accumulation.UNSHARDED)
 
 
 def fully_shard_spec(cfg: FullyShardConfig, module: nn.Module, world_size: int) -> ShardingSpec:
@@ -58,5 +59,6 @@ def fully_shard_spec(cfg: FullyShardConfig, module: nn.Module, world_size: int) 
         construction=(Construction.SHARDS if cfg.init_device == 'meta'
                       else Construction.FULL),
         gathers_unsharded=True, grads_freed_between_steps=True,
-        checkpoint_layers=checkpoint_layers)
+        checkpoint_layers=checkpoint_layers,
+        unsharded_accumulation=cfg.accumulation is Accumulation.UNSHARDED)
 
