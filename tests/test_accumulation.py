@@ -118,8 +118,8 @@ def _train_all(root: str, prefix: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     """Every run, in one process group per wrapper.
 
-    About 20 s per group on an idle 2-core machine; five or six runner trainings
-    each, which overran the default 240 s deadline at a load average above 20.
+    Five or six runner trainings of the toy model per group, which overran the
+    default 240 s deadline at a load average above 20 on the shared 2 cores.
     """
     root = str(tmp_path_factory.mktemp('accumulate'))
     out = {}
