@@ -97,5 +97,7 @@ def test_report(smoke):
                     '## 4. Wrapper overhead', '## 5. FSDP2 vs FSDP1', '## 6. Checkpoint',
                     '## 7. Construction', '## Method'):
         assert heading in text
-    assert sorted(os.listdir(out / 'img')) == ['memory_gpt-tiny.png', 'overhead.png']
+    # The peers section is rendered from the committed benchmarks/results/peers.json.
+    assert '## The peers side by side' in text
+    assert sorted(os.listdir(out / 'img')) == ['memory_gpt-tiny.png', 'overhead.png', 'peers.png']
     assert (out / 'img' / 'overhead.png').read_bytes()[:4] == b'\x89PNG'

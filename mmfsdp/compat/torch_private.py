@@ -4,6 +4,7 @@ The rest of the package reaches these only through the names defined here;
 ``tests/test_compat.py`` checks each one against the installed torch, so a
 release that moves or changes one fails the suite loudly.
 """
+import functools
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -179,6 +180,7 @@ def argument_names(func: Any) -> List[str]:
     return [a.name for a in func._schema.arguments]  # why: as written_arguments
 
 
+@functools.lru_cache(maxsize=None)
 def enable_cpu_huge_pages() -> bool:
     """Have torch back CPU tensors of 2 MiB and more with transparent huge pages; whether it does.
 
@@ -188,7 +190,9 @@ def enable_cpu_huge_pages() -> bool:
     tensors of 2 MiB and more to the page size and advises the kernel to back
     them with huge pages (``madvise(MADV_HUGEPAGE)``). Set later, the variable
     is ignored; so the effect is checked, by the alignment of three fresh
-    (untouched) 2 MiB tensors. A user's own setting is kept.
+    (untouched) 2 MiB tensors, once per process: the answer cannot change
+    after torch's first allocation, and a probe inside a runner's construction
+    would count as that runner's memory. A user's own setting is kept.
     """
     os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
     page = os.sysconf('SC_PAGE_SIZE')
