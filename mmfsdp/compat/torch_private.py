@@ -180,7 +180,7 @@ def argument_names(func: Any) -> List[str]:
     return [a.name for a in func._schema.arguments]  # why: as written_arguments
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def enable_cpu_huge_pages() -> bool:
     """Have torch back CPU tensors of 2 MiB and more with transparent huge pages; whether it does.
 
