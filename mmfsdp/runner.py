@@ -24,6 +24,7 @@ from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .compat import RunnerSteps, load_from, resume_requested
+from .device_draws import draws_on
 from .dist import (
     atexit_destroy_process_group,
     current_device,
@@ -111,6 +112,9 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     - **FSDP1 on an accelerator**: the model stays on the CPU until wrapping;
       FSDP1 moves it unit by unit and broadcasts rank 0's weights on the
       device (``sync_module_states``), so no device holds the full model.
+      Random initialisers still draw from the device's generator
+      (:mod:`mmfsdp.device_draws`): the weights are those of the stock Runner,
+      which initialises on the device.
 
     Without ``model_wrapper_cfg``, or with one that has no ``type``, a
     distributed run uses ``mmfsdp.MMDistributedDataParallel`` (with those
@@ -256,7 +260,8 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if self._staged and not self._meta_init:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
-                model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
+                with draws_on(current_device(), model):  # as the stock Runner's, on the device
+                    model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
         elif not self._meta_init:
             super().init_model_weights()
         self._preconditions.weights_ready()
