@@ -1,6 +1,5 @@
 """``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
-import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -9,12 +8,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..dist import current_device
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
-from ..options import Accumulation
 from ..plan.spec import ShardingSpec
 from ..policies import planned_policy
 from ..registry import MODEL_WRAPPERS
 from .config import FSDPConfig
 from .configured import ConfiguredWrapper
+from .grad_sync import AccumulationNoSync
 from .guard import reject_stock_runner
 from .mesh import build_hybrid_mesh
 from .separate import MMSeparateFullyShardedDataParallel
@@ -25,7 +24,8 @@ __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, ConfiguredWrapper):
+class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullyShardedDataParallel,
+                                 ConfiguredWrapper):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
 
     The keyword arguments are the fields of :class:`FSDPConfig`. The device is
@@ -117,26 +117,6 @@ class MMFullyShardedDataParallel(DataParallelSteps, FullyShardedDataParallel, Co
         for module in FullyShardedDataParallel.fsdp_modules(self):
             module._sync_gradients = self._sync_next_backward
         return super().forward(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """What mmengine enters on accumulation micro-steps; follows ``accumulation``.
-
-        ``'sharded'``: nothing, so each micro-step's backward reduce-scatters
-        and FSDP1 adds the result to the gradient shard. ``'unsharded'``:
-        forwards inside keep full local gradients in their backward, unreduced,
-        until a backward of a forward outside; like DDP's ``no_sync``, the
-        setting is taken at forward time (FSDP1's own ``no_sync`` must also
-        enclose the backward).
-        """
-        if self._accumulation is Accumulation.SHARDED:
-            yield
-            return
-        previous, self._sync_next_backward = self._sync_next_backward, False
-        try:
-            yield
-        finally:
-            self._sync_next_backward = previous
 
     @classmethod
     def stages_on_cpu(cls, config: Mapping[str, Any], device: torch.device) -> bool:

@@ -93,7 +93,7 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, Configure
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
-        self._sync_gradients = True
+        self._sync_next_backward = True
         self._set_accumulation(cfg.accumulation, cfg.reshard_after_forward)
 
     @classmethod

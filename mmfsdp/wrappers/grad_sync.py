@@ -1,10 +1,12 @@
-"""``no_sync`` for FSDP2, which has a switch on each root instead of a context manager.
+"""``no_sync`` that follows ``model_wrapper_cfg.accumulation``, for FSDP1 and FSDP2.
 
 mmengine's ``OptimWrapper.optim_context`` enters ``model.no_sync()`` on the
-micro-steps of gradient accumulation (as DDP and FSDP1 offer it). FSDP2 roots
-have ``set_requires_gradient_sync``; the switch is read when a backward
-reduces, and mmengine runs that backward after leaving the context, so the
-wrapper records the setting here and applies it at each forward.
+micro-steps of gradient accumulation, around the forward only: it runs the
+backward after leaving the context. Whether a backward reduces is therefore
+decided at forward time, as with DDP's ``no_sync``: :class:`AccumulationNoSync`
+records the setting, and each wrapper applies it at its forward (FSDP1 to its
+units' ``_sync_gradients``, FSDP2 to each root's ``set_requires_gradient_sync``,
+:class:`GradientSyncSwitch`).
 
 ``no_sync`` follows ``model_wrapper_cfg.accumulation``
 (:mod:`mmfsdp.options.accumulation`): with ``'sharded'`` it does nothing.
@@ -16,15 +18,46 @@ from torch import nn
 
 from ..options import Accumulation
 
-__all__ = ['GradientSyncSwitch']
+__all__ = ['AccumulationNoSync', 'GradientSyncSwitch']
 
 
-class GradientSyncSwitch:
-    """Mixin for a wrapper of FSDP2 roots (``self._roots``, set by the subclass)."""
+class AccumulationNoSync:
+    """Mixin: ``no_sync`` sets whether the next forward's backward reduces gradients."""
+
+    _accumulation: Accumulation = Accumulation.SHARDED
+    #: Whether the backward of the next forward reduces gradients (False inside no_sync).
+    _sync_next_backward: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """What mmengine enters on accumulation micro-steps; follows ``accumulation``.
+
+        ``'sharded'``: nothing, so each micro-step's backward reduce-scatters
+        and adds to the gradient shards. ``'unsharded'``: forwards inside
+        accumulate full local gradients in their backward, unreduced, until a
+        backward of a forward outside; like DDP's ``no_sync``, the setting is
+        taken at forward time and holds for that forward's backward, which
+        mmengine runs after the context (FSDP1's and FSDP2's own switches are
+        read in backward, so they would need the context around it).
+        """
+        if self._accumulation is Accumulation.SHARDED:
+            yield
+            return
+        previous, self._sync_next_backward = self._sync_next_backward, False
+        try:
+            yield
+        finally:
+            self._sync_next_backward = previous
+
+
+class GradientSyncSwitch(AccumulationNoSync):
+    """Mixin for a wrapper of FSDP2 roots (``self._roots``, set by the subclass).
+
+    FSDP2 roots have a switch (``set_requires_gradient_sync``) instead of a
+    context manager; it is set from :meth:`no_sync`'s setting at each forward.
+    """
 
     _roots: List[nn.Module]
-    _sync_gradients: bool = True
-    _accumulation: Accumulation = Accumulation.SHARDED
     #: Keep the gathered parameters through the micro-steps under no_sync.
     _keep_gathered: bool = False
 
@@ -42,26 +75,7 @@ class GradientSyncSwitch:
     def _apply_gradient_sync(self) -> None:
         """Called at forward: the coming backward reduces unless inside :meth:`no_sync`."""
         for root in self._roots:
-            root.set_requires_gradient_sync(self._sync_gradients)
+            root.set_requires_gradient_sync(self._sync_next_backward)
             if self._keep_gathered:
                 # the last micro-step (synced) reshards after its backward again
-                root.set_reshard_after_backward(self._sync_gradients)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """What mmengine enters on accumulation micro-steps; follows ``accumulation``.
-
-        ``'sharded'``: nothing, so each micro-step's backward reduce-scatters
-        and adds to the gradient shards. ``'unsharded'``: forwards inside
-        accumulate gradients locally in their backward, unreduced; like DDP's
-        ``no_sync``, the setting is taken at forward time and holds for that
-        forward's backward, which mmengine runs after the context.
-        """
-        if self._accumulation is Accumulation.SHARDED:
-            yield
-            return
-        previous, self._sync_gradients = self._sync_gradients, False
-        try:
-            yield
-        finally:
-            self._sync_gradients = previous
+                root.set_reshard_after_backward(self._sync_next_backward)
