@@ -23,6 +23,7 @@ glibc; elsewhere (CUDA, whose caching allocator owns device memory; musl;
 macOS; Windows) it does nothing.
 """
 import ctypes
+import logging
 import os
 import platform
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from mmengine.hooks import Hook
 from .compat import enable_cpu_huge_pages
 
 __all__ = ['AllocatorPolicy', 'DEFAULT', 'MallocTrimHook', 'POLICIES', 'active_policy',
-           'apply_policy', 'describe_active', 'glibc', 'malloc_trim', 'resolve_cpu_allocator']
+           'apply_policy', 'describe_active', 'glibc', 'log_active', 'malloc_trim',
+           'resolve_cpu_allocator']
 
 KEY = 'env_cfg.cpu_allocator'
 
@@ -186,6 +188,14 @@ def describe_active() -> Optional[str]:
                      'huge pages NOT in effect: torch allocated CPU memory before the runner '
                      'started (set THP_MEM_ALLOC_ENABLE=1 in the environment instead)')
     return f"{KEY}: {_active.name!r} ({', '.join(parts)})"
+
+
+def log_active(logger: logging.Logger) -> None:
+    """Log :func:`describe_active`'s line, if any: a warning when huge pages are not in effect."""
+    described = describe_active()
+    if described is not None:
+        missing = _active.huge_pages and not _huge_pages
+        logger.log(logging.WARNING if missing else logging.INFO, described)
 
 
 def malloc_trim() -> bool:

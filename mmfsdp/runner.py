@@ -1,24 +1,16 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import contextlib
-import logging
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
-from .allocator import (
-    MallocTrimHook,
-    active_policy,
-    apply_policy,
-    describe_active,
-    resolve_cpu_allocator,
-)
+from .allocator import MallocTrimHook, apply_policy, log_active, resolve_cpu_allocator
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
@@ -45,20 +37,22 @@ from .meta_init import (
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .optim_wrappers import is_built
 from .options import wrapper_options
-from .plan import format_plan, plan_for, plan_warnings
+from .plan import log_sharding_plan
 from .protocol import is_parallel_wrapper
 from .registry import RUNNERS
 from .scope import without_collate_scope
 from .startup import check_launcher
 from .together import fail_together
-from .wrappers import MMDistributedDataParallel
-from .wrappers.builder import check_wrapper_config, offloads_to_cpu, resolve_wrapper_type
-from .wrappers.steps import own_steps
+from .wrappers.builder import (
+    build_args,
+    check_wrapper_config,
+    model_wrapper_config,
+    offloads_to_cpu,
+    resolve_wrapper_type,
+    stages_on_cpu,
+)
 
 __all__ = ['FSDPRunner']
-
-#: Used when ``model_wrapper_cfg`` is not set, as mmengine uses its DDP.
-DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
 
 
 @RUNNERS.register_module()
@@ -131,7 +125,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     def setup_env(self, env_cfg: Dict) -> None:
         """Check the launcher and the wrapper config, then start the process group."""
         check_launcher(self.launcher)
-        cfg = self._model_wrapper_config()
+        cfg = model_wrapper_config(self.cfg)
         self._wrapper_cls = resolve_wrapper_type(cfg, self.cfg.get('default_scope', 'mmengine'))
         # Built from the class found here, so what was checked is what is built.
         self._wrapper_cfg = dict(wrapper_options(cfg), type=self._wrapper_cls)
@@ -157,22 +151,9 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
         """The stock hooks, plus ``malloc_trim`` after training iterations if configured."""
         super().register_hooks(default_hooks, custom_hooks)
-        described = describe_active()
-        if described is not None:
-            active = active_policy() or {}
-            missing = active.get('huge_pages') and not active.get('huge_pages_in_effect')
-            self.logger.log(logging.WARNING if missing else logging.INFO, described)
+        log_active(self.logger)
         if self._cpu_allocator is not None and self._cpu_allocator.trim_interval:
             self.register_hook(MallocTrimHook(self._cpu_allocator.trim_interval), 'LOW')
-
-    def _model_wrapper_config(self) -> Dict[str, Any]:
-        cfg = self.cfg.get('model_wrapper_cfg')
-        if cfg is None:
-            return dict(type=DEFAULT_WRAPPER,
-                        find_unused_parameters=self.cfg.get('find_unused_parameters', False))
-        if 'type' not in cfg:  # as mmengine: options of the default DDP wrapper
-            return dict(type=DEFAULT_WRAPPER, **cfg)
-        return dict(cfg)
 
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, Dict], seed: Optional[int] = None,
@@ -223,7 +204,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                 self._wrap()
             self._meta_pending, self._meta_check_after_load = pending, loads
             return self.model
-        self._staged = self._stages_on_cpu(model)
+        self._staged = stages_on_cpu(self._wrapper_cls, self._wrapper_cfg, model, current_device())
         if not self._staged:
             model = model.to(current_device())
         self._check_before_wrapping(model)
@@ -239,16 +220,6 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         with fail_together('checking model_wrapper_cfg against the model'):
             check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
         check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
-
-    def _stages_on_cpu(self, model: nn.Module) -> bool:
-        """Whether the model stays on the CPU until the wrapper moves it unit by unit.
-
-        As the wrapper says (:meth:`mmfsdp.protocol.ParallelWrapper.stages_on_cpu`);
-        not for a model with its own steps (FSDP1 wraps its children separately).
-        """
-        return (is_parallel_wrapper(self._wrapper_cls)
-                and self._wrapper_cls.stages_on_cpu(self._wrapper_cfg, current_device())
-                and not own_steps(model))
 
     def train(self) -> nn.Module:
         """The stock ``train()``, its wrapping preconditions checked (:mod:`mmfsdp.lifecycle`)."""
@@ -293,13 +264,8 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         names = {id(p): n for n, p in model.named_parameters()}
         if self.cfg.get('sync_bn') is not None:
             model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
-        default_args: Dict[str, Any] = dict(module=model)
-        if (issubclass(self._wrapper_cls, DistributedDataParallel)
-                and not issubclass(self._wrapper_cls, MMDistributedDataParallel)):
-            device = current_device()  # mmengine's DDP: the stock Runner's device_ids, CPU-aware
-            default_args['device_ids'] = None if device.type == 'cpu' else [device.index]
-        if self._staged and not self._meta_init:
-            default_args['sync_module_states'] = True
+        default_args = build_args(self._wrapper_cls, model, current_device(),
+                                  sync_module_states=self._staged and not self._meta_init)
         self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
         if is_built(self.optim_wrapper):
             retarget_parameters(self.optim_wrapper, names, self.model)
@@ -307,17 +273,10 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
     def _log_sharding_plan(self, model: nn.Module) -> None:
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
-        if not is_main_process() or not is_parallel_wrapper(self._wrapper_cls):
-            return
-        optim_cfg = self.cfg.get('optim_wrapper') or {}
-        optimizer = optim_cfg.get('optimizer')
-        plan = plan_for(self._wrapper_cls, self._wrapper_cfg, model, self.world_size,
-                        optimizer if isinstance(optimizer, Mapping) else None,
-                        ema=configures_ema(self.cfg.get('custom_hooks')),
-                        accumulative_counts=optim_cfg.get('accumulative_counts', 1))
-        self.logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
-        for warning in plan_warnings(plan):
-            self.logger.warning(f'Sharding plan: {warning}')
+        if is_main_process() and is_parallel_wrapper(self._wrapper_cls):
+            log_sharding_plan(self.logger, self._wrapper_cls, self._wrapper_cfg, model,
+                              self.world_size, self.cfg.get('optim_wrapper') or {},
+                              ema=configures_ema(self.cfg.get('custom_hooks')))
 
     def _bind_optim_wrapper(self) -> None:
         """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""

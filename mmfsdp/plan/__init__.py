@@ -8,6 +8,7 @@
 - :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
+import logging
 from typing import Any, Mapping, Optional
 
 from torch import nn
@@ -21,8 +22,8 @@ from .step import StepPeak, step_peak
 from .trace import BatchFn, StepTrace, trace_step
 
 __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
-           'Unit', 'format_plan', 'make_plan', 'optimizer_states_per_param', 'plan_for',
-           'plan_to_dict', 'plan_warnings', 'step_peak', 'trace_for', 'trace_step']
+           'Unit', 'format_plan', 'log_sharding_plan', 'make_plan', 'optimizer_states_per_param',
+           'plan_for', 'plan_to_dict', 'plan_warnings', 'step_peak', 'trace_for', 'trace_step']
 
 
 def _describe(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
@@ -61,3 +62,22 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     return make_plan(model, spec, world_size,
                      optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
                      accumulative_counts=accumulative_counts)
+
+
+def log_sharding_plan(logger: logging.Logger, wrapper_cls: type, wrapper_cfg: Mapping[str, Any],
+                      model: nn.Module, world_size: int, optim_wrapper_cfg: Mapping[str, Any],
+                      ema: bool) -> None:
+    """Log the plan of ``model`` (its units and bytes per rank), then each of its warnings.
+
+    ``optim_wrapper_cfg`` is the config's ``optim_wrapper``: its ``optimizer``
+    (when a dict) sizes the optimizer state, its ``accumulative_counts`` the
+    gradients; ``ema``: an EMAHook is configured. :class:`mmfsdp.FSDPRunner`
+    calls this on rank 0 before wrapping.
+    """
+    optimizer = optim_wrapper_cfg.get('optimizer')
+    plan = plan_for(wrapper_cls, wrapper_cfg, model, world_size,
+                    optimizer if isinstance(optimizer, Mapping) else None, ema=ema,
+                    accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1))
+    logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
+    for warning in plan_warnings(plan):
+        logger.warning(f'Sharding plan: {warning}')
