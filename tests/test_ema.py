@@ -10,15 +10,19 @@ mmengine's stock Runner (and stock hook) training the same global batch here:
 - ``resumed/<wrapper>-<kind>``: the same run resumed from iteration 3;
 - ``stock/<wrapper>``: with other stock hooks mmfsdp leaves to mmengine, and
   mmengine's own ``activation_checkpointing`` config key.
+
+Another group makes ``collect_checkpoint_state`` fail on one rank only.
 """
 import copy
+import os
+import time
 
 import pytest
 import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import run_distributed
+from harness import COLLECTIVE_TIMEOUT_S, run_distributed
 from toy import ToyClassifier, runner_config
 
 TOL = 2e-5
@@ -331,3 +335,46 @@ def test_plan_sees_the_stock_hook_in_a_config():
     from mmfsdp.ema import configures_ema
     assert configures_ema([dict(type='EMAHook', momentum=0.2)])
     assert not configures_ema([dict(type='EmptyCacheHook')]) and not configures_ema(None)
+
+
+def _one_rank_fails_collecting(root: str) -> dict:
+    """Save checkpoints with an EMAHook whose collect_checkpoint_state raises on rank 1 only."""
+    from mmfsdp import FSDPRunner
+    from mmfsdp.ema import EMAHook
+
+    class FailsOnRank1(EMAHook):
+        def averaged_state_dict(self, runner, full=True):
+            state = super().averaged_state_dict(runner, full)  # collective: every rank gathers
+            if runner.rank == 1:
+                raise RuntimeError(f'injected failure ({"full" if full else "sharded"})')
+            return state
+
+    out = {}
+    for name, kind in (('fsdp2', 'full'), ('fsdp1', 'sharded')):
+        run = f'fails-{name}-{kind}'
+        runner = FSDPRunner.from_cfg(_config(run, f'{root}/{run}', hooks=[],
+                                             wrapper=WRAPPERS[name], state_dict_type=kind))
+        runner.register_hook(FailsOnRank1(momentum=0.2))
+        start = time.monotonic()
+        try:
+            runner.train()
+            out[kind] = dict(error=None)
+        except Exception as error:  # noqa: BLE001 - the error is what is checked
+            out[kind] = dict(error=f'{type(error).__name__}: {error}',
+                             seconds=time.monotonic() - start, iter=runner.iter,
+                             saved=os.path.exists(f'{root}/{run}/iter_{HALF}.pth'))
+    return out
+
+
+def test_a_rank_failing_to_collect_the_average_fails_every_rank(tmp_path):
+    ranks = run_distributed(_one_rank_fails_collecting, WORLD_SIZE, str(tmp_path), timeout=240)
+    for kind in ('full', 'sharded'):
+        peer, failing = ranks[0][kind], ranks[1][kind]
+        print(f'{kind}: rank 0 raised {peer}; rank 1 raised {failing}')
+        assert failing['error'] == f'RuntimeError: injected failure ({kind})'
+        assert peer['error'].startswith('PeerFailure: EMAHook.collect_checkpoint_state')
+        assert f'rank 1: RuntimeError: injected failure ({kind})' in peer['error']
+        for result in (peer, failing):
+            # at the first save (iteration 3), long before a collective would time out
+            assert result['iter'] == HALF - 1 and not result['saved']
+            assert result['seconds'] < COLLECTIVE_TIMEOUT_S
