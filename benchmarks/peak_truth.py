@@ -29,7 +29,7 @@ BEGIN, END = '<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'
 
 def predict(case: Dict[str, Any]) -> Dict[str, Any]:
     """The plan's step peak for a case, from its runner config (model built on meta)."""
-    from mmfsdp.plan import plan_for, step_peak, trace_for
+    from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
     from mmfsdp.plan.batch import config_batch
     from mmfsdp.registry import MODEL_WRAPPERS
 
@@ -41,7 +41,9 @@ def predict(case: Dict[str, Any]) -> Dict[str, Any]:
     wrapper_cls = MODEL_WRAPPERS.get(wrapper_cfg['type'].split('.', 1)[-1])
     model = build_model(case['model'], 'meta')
     plan = plan_for(wrapper_cls, wrapper_cfg, model, case['world_size'], dict(type='AdamW'))
-    return step_peak(plan, trace_for(wrapper_cls, wrapper_cfg, model, batch), size).to_dict()
+    heap = heap_threshold('cpu', cfg.env_cfg.get('cpu_allocator'))
+    return step_peak(plan, trace_for(wrapper_cls, wrapper_cfg, model, batch), size,
+                     heap).to_dict()
 
 
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:

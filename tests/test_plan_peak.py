@@ -7,9 +7,10 @@ import sys
 import pytest
 import torch
 
-from mmfsdp.plan import plan_for, step_peak, trace_for
+from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
+from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +81,46 @@ def test_step_peak_adds_the_parts_and_the_model_is_left_untouched():
     assert not any(hasattr(m, '_checkpoint_wrapped_module') for m in model.modules())
 
 
+def test_cpu_heap_activations_stay_resident_beside_the_gradients():
+    trace = _trace(batch_size=8)
+    sizes = trace.activation_sizes
+    assert sum(sizes) == trace.activation_bytes and list(sizes) == sorted(sizes, reverse=True)
+    # (B, T, C) floats per block output: 8 x 64 x 128 x 4 = 256 KiB, the MLP's hidden 1 MiB
+    below = trace.activation_bytes_below(2**20)
+    assert 0 < below < trace.activation_bytes
+    assert below == sum(n for n in sizes if n < 2**20)
+    plan = plan_for(MMFullyShardedDataParallel, FSDP, _gpt(), 2, dict(type='AdamW'))
+    device = step_peak(plan, trace, 8)
+    cpu = step_peak(plan, trace, 8, heap_threshold=2**20)
+    grads = cpu.freed_grad_bytes
+    assert device.heap_activation_bytes == 0 and cpu.heap_activation_bytes == below
+    # heap blocks make no room for the gradients: they count beside max(rest, gradients)
+    assert cpu.total_bytes == (plan.model_state_bytes_per_rank - grads
+                               + plan.gathered_in_flight_bytes + below
+                               + max(trace.activation_bytes - below, grads)
+                               + trace.transient_bytes)
+    assert device.total_bytes <= cpu.total_bytes <= device.total_bytes + below
+    # every activation on the heap: gradients and activations add up, as DDP's do
+    everything = step_peak(plan, trace, 8, heap_threshold=2**40)
+    assert everything.total_bytes == (plan.model_state_bytes_per_rank
+                                      + plan.gathered_in_flight_bytes
+                                      + trace.activation_bytes + trace.transient_bytes)
+    ddp = plan_for(MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel'),
+                   _gpt(), 2, dict(type='AdamW'))
+    assert (step_peak(ddp, trace, 8, heap_threshold=2**20).total_bytes
+            == step_peak(ddp, trace, 8).total_bytes)
+
+
+def test_heap_threshold_follows_the_device_and_cpu_allocator():
+    assert heap_threshold('cuda') is None
+    assert heap_threshold('cpu') == 2**20  # mmfsdp's default policy, 'release'
+    assert heap_threshold('cpu', 'release') == 2**20
+    assert heap_threshold('cpu', dict(mmap_threshold=65536)) == 65536
+    assert heap_threshold('cpu', 'glibc') == GLIBC_MAX_MMAP_THRESHOLD == 32 * 2**20
+    with pytest.raises(ValueError, match='env_cfg.cpu_allocator'):
+        heap_threshold('cpu', 'jemalloc')
+
+
 def test_an_input_shape_traces_without_a_dataset():
     batch, size = shape_batch([3, 64], torch.int64, batch_size=6)
     trace = trace_for(MMFullyShardedDataParallel, FSDP, _gpt(), batch)
@@ -103,14 +144,21 @@ def _cli(capsys, *args):
 def test_what_ifs_change_batch_and_checkpointing(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     plans = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json', '--batch-size', '4',
-                            '--activation-checkpointing', 'on'))
+                            '--activation-checkpointing', 'on', '--device', 'cpu'))
     step = plans[0]['step']
     assert step['batch_size'] == 4 and step['activation_checkpointing'] == ['TransformerBlock']
     grads = step['grads_freed_between_steps_bytes']
     assert grads > 0  # FSDP1 drops its gradients between steps
+    heap = step['heap_activation_bytes']
+    assert heap > 0 and step['heap_threshold_bytes'] == 2**20  # 'release': a 1 MiB threshold
     assert step['peak_bytes'] == (step['model_state_bytes'] - grads + step['gathered_bytes']
-                                  + max(step['activation_bytes'], grads)
+                                  + heap + max(step['activation_bytes'] - heap, grads)
                                   + step['transient_bytes'])
+    on_gpu = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json', '--batch-size',
+                             '4', '--activation-checkpointing', 'on', '--device', 'cuda'))
+    assert on_gpu[0]['step']['heap_activation_bytes'] == 0
+    assert on_gpu[0]['step']['peak_bytes'] == step['peak_bytes'] - heap + (
+        max(step['activation_bytes'], grads) - max(step['activation_bytes'] - heap, grads))
     default = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json'))[0]['step']
     assert default['batch_size'] == 16 and default['activation_checkpointing'] == []
     assert default['activation_bytes'] > 4 * step['activation_bytes']

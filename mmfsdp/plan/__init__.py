@@ -5,6 +5,7 @@
 - :mod:`.report`: the table, the JSON object and the warnings;
 - :mod:`.trace`, :mod:`.batch`, :mod:`.step`: activations of one training step
   traced with fake tensors, and the step's peak per rank;
+- :mod:`.host`: what a CPU host keeps resident beyond the live tensors;
 - :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..options import wrapper_options
 from ..protocol import is_parallel_wrapper
+from .host import heap_threshold
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
 from .spec import Construction, Padding, ShardingSpec
@@ -22,7 +24,8 @@ from .step import StepPeak, step_peak
 from .trace import BatchFn, StepTrace, trace_step
 
 __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
-           'Unit', 'format_plan', 'log_sharding_plan', 'make_plan', 'optimizer_states_per_param',
+           'Unit', 'format_plan', 'heap_threshold', 'log_sharding_plan', 'make_plan',
+           'optimizer_states_per_param',
            'plan_for', 'plan_to_dict', 'plan_warnings', 'step_peak', 'trace_for', 'trace_step']
 
 

@@ -7,7 +7,9 @@ seconds even for billions of parameters), applies the configured wrapper and
 policy, and prints the plan for each world size, as tables or as JSON.
 Then it traces one training step with fake tensors (:mod:`.trace`) on a batch
 shaped like the config's and prints the step's peak per rank, activations
-included; ``--batch-size`` and ``--activation-checkpointing`` ask "what if",
+included (on a CPU host, ``--device cpu``, also the activations that glibc's
+heap keeps resident: :mod:`.host`); ``--batch-size`` and
+``--activation-checkpointing`` ask "what if",
 ``--fit-memory 24GiB`` lists the configurations that fit (:mod:`.fit`).
 
 Names are looked up as the Runner looks them up: in the registries of the
@@ -29,12 +31,14 @@ from torch import nn
 import mmfsdp  # noqa: F401  (fills the registries)
 
 from ..config import load_config
+from ..dist import current_device
 from ..ema import configures_ema
 from ..meta_init import empty_weights
 from ..wrappers.builder import resolve_wrapper_type
 from . import format_plan, plan_for, plan_to_dict, step_peak, trace_for
 from .batch import config_batch, shape_batch
 from .fit import fit, parse_bytes
+from .host import heap_threshold
 from .report import format_step, size_text
 
 DEFAULT_WRAPPER = dict(type='mmfsdp.MMDistributedDataParallel')
@@ -61,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--input-dtype', choices=sorted(DTYPES), default='float32')
     parser.add_argument('--fit-memory', metavar='SIZE', help='list the world sizes, strategies '
                         'and checkpointing settings whose peak per rank fits, e.g. 24GiB')
+    parser.add_argument('--device', help="the device type the run trains on, e.g. cpu or cuda "
+                        '(default: where it would train on this machine); on cpu the peak '
+                        "counts what glibc's heap keeps resident (env_cfg.cpu_allocator)")
     parser.add_argument('--no-trace', action='store_true',
                         help='model states only: do not trace a training step')
     return parser
@@ -106,6 +113,8 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
+    heap = heap_threshold(args.device or current_device().type,
+                          (cfg.get('env_cfg') or {}).get('cpu_allocator'))
     units = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
                      ema=ema).spec.units
     checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)
@@ -128,7 +137,8 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
             batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
         if budget is not None:
             found = fit(model, wrapper_cfg, scope, batch, size, args.world_size,
-                        checkpoint or _unit_classes(model, units), optimizer, ema)
+                        checkpoint or _unit_classes(model, units), optimizer, ema,
+                        heap_threshold=heap)
             return _fit_text(found, budget, size), _fit_json(found, budget)
         try:
             if not args.input_shape:
@@ -139,7 +149,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
                      'the inputs without the dataset; --no-trace skips the trace)'
             return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
                     [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
-    steps = [step_peak(p, trace, size) for p in plans]
+    steps = [step_peak(p, trace, size, heap) for p in plans]
     text = '\n\n'.join(format_plan(p) + '\n' + format_step(s) for p, s in zip(plans, steps))
     return text, [dict(plan_to_dict(p), step=s.to_dict()) for p, s in zip(plans, steps)]
 

@@ -9,12 +9,18 @@ Where gradients are freed between steps (FSDP1, FSDP2: ``zero_grad()`` drops the
 backward creates them as it frees the activations, so the two count once,
 as the larger: ``peak = state - grads + gathered + max(activations, grads) + transient``.
 
+On a CPU host, activations in blocks below glibc's mmap threshold stay resident
+after backward frees them (:mod:`.host`): they make no room for the gradients,
+so they count on their own::
+
+    peak = state - grads + gathered + heap + max(activations - heap, grads) + transient
+
 The model state and the gathered units depend on the world size and the
 strategy, the activations on the batch, checkpointing and the compute dtype
 only, so one trace serves every world size and strategy that computes alike.
 """
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .memory import Plan
 from .trace import StepTrace
@@ -29,6 +35,9 @@ class StepPeak:
     plan: Plan
     trace: StepTrace
     batch_size: int
+    #: Freed host blocks below this many bytes stay resident (:func:`.host.heap_threshold`);
+    #: ``None``: device memory, where what is freed is free.
+    heap_threshold: Optional[int] = None
 
     @property
     def model_state_bytes(self) -> int:
@@ -58,11 +67,18 @@ class StepPeak:
         return sum(u.grad_bytes for u in self.plan.units)
 
     @property
+    def heap_activation_bytes(self) -> int:
+        """Activations that stay resident after backward frees them (CPU heap; else 0)."""
+        if self.heap_threshold is None:
+            return 0
+        return self.trace.activation_bytes_below(self.heap_threshold)
+
+    @property
     def total_bytes(self) -> int:
         """The predicted peak per rank of one training step."""
-        grads = self.freed_grad_bytes
-        return (self.model_state_bytes - grads + self.gathered_bytes
-                + max(self.activation_bytes, grads) + self.transient_bytes)
+        grads, heap = self.freed_grad_bytes, self.heap_activation_bytes
+        return (self.model_state_bytes - grads + self.gathered_bytes + heap
+                + max(self.activation_bytes - heap, grads) + self.transient_bytes)
 
     def to_dict(self) -> Dict[str, Any]:
         """The parts as plain JSON-able values."""
@@ -73,11 +89,18 @@ class StepPeak:
                     activation_bytes=self.activation_bytes,
                     transient_bytes=self.transient_bytes,
                     grads_freed_between_steps_bytes=self.freed_grad_bytes,
+                    heap_threshold_bytes=self.heap_threshold,
+                    heap_activation_bytes=self.heap_activation_bytes,
                     peak_bytes=self.total_bytes,
                     activation_bytes_by_unit={k or '(root)': v
                                               for k, v in self.trace.by_unit.items()})
 
 
-def step_peak(plan: Plan, trace: StepTrace, batch_size: int) -> StepPeak:
-    """Combine a plan and a trace of the same model (the trace's batch is one rank's)."""
-    return StepPeak(plan=plan, trace=trace, batch_size=batch_size)
+def step_peak(plan: Plan, trace: StepTrace, batch_size: int,
+              heap_threshold: Optional[int] = None) -> StepPeak:
+    """Combine a plan and a trace of the same model (the trace's batch is one rank's).
+
+    ``heap_threshold``: training on a CPU host, from :func:`.host.heap_threshold`.
+    """
+    return StepPeak(plan=plan, trace=trace, batch_size=batch_size,
+                    heap_threshold=heap_threshold)

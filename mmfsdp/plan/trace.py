@@ -47,6 +47,13 @@ class StepTrace:
     checkpointed: Tuple[str, ...]
     #: dtype the parameters computed in (mixed precision).
     compute_dtype: torch.dtype
+    #: The size of every storage in ``activation_bytes``, largest first: where a
+    #: host allocator puts them depends on their size (:mod:`.host`).
+    activation_sizes: Tuple[int, ...] = ()
+
+    def activation_bytes_below(self, threshold: int) -> int:
+        """Bytes of the activations held in storages smaller than ``threshold`` bytes."""
+        return sum(n for n in self.activation_sizes if n < threshold)
 
     @property
     def transient_bytes(self) -> int:
@@ -76,6 +83,10 @@ class _LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         nbytes, _ = self.live.pop(key, (0, ''))
         self.current -= nbytes
+
+    def sizes(self) -> Tuple[int, ...]:
+        """The size of every live storage, largest first."""
+        return tuple(sorted((nbytes for nbytes, _ in self.live.values()), reverse=True))
 
     def by_unit(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
@@ -176,8 +187,9 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
         with live:
             args, kwargs = batch(fake)
             loss = _loss(fake(*args, **kwargs))
-            activations, by_unit = live.current, live.by_unit()
+            activations, by_unit, sizes = live.current, live.by_unit(), live.sizes()
             loss.backward()
     return StepTrace(activation_bytes=activations, peak_bytes=live.peak, by_unit=by_unit,
                      checkpointed=tuple(c.__name__ for c in checkpoint_layers),
-                     compute_dtype=compute_dtype or next(model.parameters()).dtype)
+                     compute_dtype=compute_dtype or next(model.parameters()).dtype,
+                     activation_sizes=sizes)
