@@ -183,7 +183,7 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         return []
     r0 = results[0]
     return [
-        '## Gradient accumulation: sharded or unsharded', '',
+        '## 8. Gradient accumulation: sharded or unsharded', '',
         f"`python -m benchmarks.accumulation` ({r0['model']}, batch {r0['batch_size']} × "
         f"{r0['seq_len']} tokens per rank and micro-step, fp32 AdamW; FSDP1 FULL_SHARD and FSDP2 "
         '`reshard_after_forward=True`, one unit per block). Per **optimizer step** of k '

@@ -288,7 +288,7 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
 
 
 def section_lines(data: Dict[str, Any]) -> List[str]:
-    """The "CPU allocator" section of ``docs/benchmarks.md`` (nothing without results)."""
+    """Section 9, "CPU allocator", of ``docs/benchmarks.md`` (nothing without results)."""
     results = data.get('results', [])
     if not results:
         return []
@@ -297,7 +297,7 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
     loads = [r['load_before'] for r in results]
     rounds = len({r['round'] for r in measured})
     lines = [
-        '## CPU allocator: the saving with the documented launch', '',
+        '## 9. CPU allocator: the saving with the documented launch', '',
         f"`{data['command']}` ({data['date_utc']} – {data.get('date_end_utc', 'unfinished')}, "
         f"commit {m['commit']}, {m['cpu']}, {m['cores']} cores). Every job is started as the "
         'README says, `bash tools/dist_train.sh CONFIG N --work-dir DIR`, with no `MALLOC_*` / '

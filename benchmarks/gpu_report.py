@@ -40,7 +40,7 @@ def gpu_lines(recorded: Dict[str, Any]) -> List[str]:
     header = ['arm', 'batch / rank', 'step ms, median (min–max)', 'tokens/s',
               'peak GiB per rank', 'TFLOP/s per GPU', 'MFU']
     lines = [
-        f"## 8. GPU: {r0['device']}, bf16", '',
+        f"## 10. GPU: {r0['device']}, bf16", '',
         f"`torchrun --standalone --nproc-per-node {r0['world_size']} -m benchmarks.gpu "
         f"--batch B`, torch {r0['torch']}, **world size {r0['world_size']}** (one GPU: FSDP "
         'shards over one rank, so this measures the wrappers\' compute path and memory, not '

@@ -171,7 +171,7 @@ def method(res: Any) -> List[str]:
         'resident: the peak of a step would then depend on what earlier phases '
         '(construction, the first step) left in the heap. Timing jobs use the default.'
         ' Since then `FSDPRunner` sets the same threshold itself, plus huge pages, in every '
-        'process that trains on the CPU (`env_cfg.cpu_allocator`, section "CPU allocator"), '
+        'process that trains on the CPU (`env_cfg.cpu_allocator`, section 9), '
         'timing jobs included; the figures of sections 1–7 were measured before that change.',
         '- **Warm-up**: before its baseline, every memory and construction job trains the '
         'tiny GPT for one step under the same wrapper, so that what does not depend on the '
@@ -200,6 +200,6 @@ def method(res: Any) -> List[str]:
         '- **Wrapper overhead**: see section 4. The goal is a property of the median; single '
         'rounds on a shared 2-core machine vary by several percent in both directions.',
         '- **Not measured** on CPU: accelerators (NCCL) and mixed precision (one GPU: '
-        'section 8), activation checkpointing, multi-node (HYBRID_SHARD), and models larger '
+        'section 10), activation checkpointing, multi-node (HYBRID_SHARD), and models larger '
         'than what 24 GiB holds at N = 4.',
         '']

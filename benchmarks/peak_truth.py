@@ -88,7 +88,7 @@ def _error(r: Dict[str, Any]) -> float:
     return (r['predicted']['peak_bytes'] - measured) / measured
 
 
-INTRO = """## 9. The plan's step peak against the measured peak
+INTRO = """## 12. The plan's step peak against the measured peak
 
 `python -m benchmarks.peak_truth` (results: `benchmarks/results/peak_truth.json`) trains each case
 through `FSDPRunner` and measures it as section 2 does: the resident set's high-water mark of a

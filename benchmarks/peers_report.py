@@ -24,7 +24,7 @@ LOSS_TOLERANCE = 1e-4
 #: A parameter storage per rank below this share of the full model counts as sharded.
 SHARDED_BELOW = 0.75
 RATIO_GOAL = 1.03
-TITLE = '## The peers side by side'
+TITLE = '## 11. The peers side by side'
 
 
 def load(path: str = RESULTS) -> Optional[Dict[str, Any]]:

@@ -194,8 +194,13 @@ def _goal_lines(res: Results) -> List[str]:
     return ['## Goals', ''] + _table(['goal', 'target', 'measured', 'result'], rows) + ['']
 
 
-def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -> str:
-    """The report as Markdown; plots are written to ``img_dir`` (``None``: no plots)."""
+def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img',
+           kept: str = '') -> str:
+    """The report as Markdown; plots are written to ``img_dir`` (``None``: no plots).
+
+    ``kept``: the marked sections other scripts wrote (:data:`KEPT`), placed
+    after the numbered sections, before the observations.
+    """
     from . import accumulation, allocator, gpu_report, notes, peers_report
     res = Results(data)
     lines = _header(res) + _goal_lines(res) + notes.failures(res)
@@ -249,6 +254,8 @@ def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img') -
     lines += allocator.section_lines(allocator.load())
     lines += gpu_report.gpu_lines(gpu_report.load())
     lines += peers_report.peers_lines(peers_report.load(), img_dir, img_rel)
+    if kept:
+        lines += [kept.strip('\n'), '']
     lines += notes.observations(res)
     lines += notes.method(res)
     return '\n'.join(lines).rstrip() + '\n'
@@ -393,9 +400,9 @@ def write_report(data: Dict[str, Any], path: str, img_dir: Optional[str] = None)
     img_dir = img_dir or os.path.join(os.path.dirname(os.path.abspath(path)), 'img')
     os.makedirs(img_dir, exist_ok=True)
     rel = os.path.relpath(img_dir, os.path.dirname(os.path.abspath(path)))
-    text = render(data, img_dir, rel)
+    text = render(data, img_dir, rel, _kept_sections(path))  # read before it is rewritten
     with open(path, 'w') as f:
-        f.write(text + _kept_sections(path))
+        f.write(text)
 
 
 #: Sections that other benchmark scripts write between these markers; kept on rewrite.
@@ -409,9 +416,9 @@ def _kept_sections(path: str) -> str:
             old = f.read()
     except FileNotFoundError:
         return ''
-    kept = [begin + old.split(begin, 1)[1].split(end, 1)[0] + end + '\n'
+    kept = [begin + old.split(begin, 1)[1].split(end, 1)[0] + end
             for begin, end in KEPT if begin in old and end in old]
-    return ''.join('\n' + block for block in kept)
+    return '\n\n'.join(kept)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ peaked above DDP, and the resident set grew from step to step.
 
 This module sets glibc's allocator once per process (``mallopt``), and can
 return freed heap memory after every training iteration (``malloc_trim``).
-What each choice costs is measured in ``docs/benchmarks.md`` ("CPU allocator").
+What each choice costs is measured in ``docs/benchmarks.md`` (section 9, "CPU allocator").
 
 Config (``env_cfg.cpu_allocator``), read by :class:`mmfsdp.FSDPRunner`::
 

@@ -8,6 +8,7 @@ bytes, collective sizes); nothing about speed is asserted.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -97,7 +98,26 @@ def test_report(smoke):
                     '## 4. Wrapper overhead', '## 5. FSDP2 vs FSDP1', '## 6. Checkpoint',
                     '## 7. Construction', '## Method'):
         assert heading in text
-    # The peers section is rendered from the committed benchmarks/results/peers.json.
-    assert '## The peers side by side' in text
+    # Sections 8-11 are rendered from the committed benchmarks/results/*.json, in this order.
+    numbered = [line for line in text.splitlines() if re.match(r'## \d+\. ', line)]
+    assert [int(line[3:].split('.')[0]) for line in numbered] == list(range(1, 12))
+    for heading in ('## 8. Gradient accumulation', '## 9. CPU allocator', '## 10. GPU',
+                    '## 11. The peers side by side'):
+        assert heading in text
     assert sorted(os.listdir(out / 'img')) == ['memory_gpt-tiny.png', 'overhead.png', 'peers.png']
     assert (out / 'img' / 'overhead.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_report_rewrite_keeps_the_peak_truth_section_before_the_observations(smoke, tmp_path):
+    sys.path.insert(0, REPO)
+    from benchmarks.report import KEPT, write_report
+    out, data = smoke
+    begin, end = KEPT[0]
+    doc = tmp_path / 'report.md'
+    block = f"{begin}\n## 12. The plan's step peak against the measured peak\n\nrows\n{end}"
+    doc.write_text((out / 'report.md').read_text() + '\n' + block + '\n')
+    for _ in range(2):  # a rewrite keeps it, once, numbered after the generated sections
+        write_report(data, str(doc), str(tmp_path / 'img'))
+        text = doc.read_text()
+        assert text.count(begin) == 1 and block in text
+        assert text.index('## 11. The peers') < text.index(block) < text.index('## Observations')

@@ -22,7 +22,7 @@ that sets no threshold) raises the threshold to the largest block freed, up to
 32 MiB on 64-bit systems; the plan takes 32 MiB, what a step sees once an
 earlier one has freed its gathered units. It then still leaves out that
 gathered units and unsharded gradients come from the heap as well
-(``docs/benchmarks.md``, "CPU allocator"): a lower bound there.
+(``docs/benchmarks.md``, section 9, "CPU allocator"): a lower bound there.
 """
 from typing import Any, Optional
 
