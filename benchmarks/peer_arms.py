@@ -173,6 +173,9 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
                                 f'peers-{label}', 1, 16, 0,
                                 train_cfg=dict(type='BenchmarkPeersLoop'))
         cfg.model = peer_model_cfg(preset, init_file)
+        # Equal settings: every arm allocates as the job's environment says (Method);
+        # what mmfsdp's own default ('release') saves is the CPU allocator section's.
+        cfg.env_cfg = dict(cfg.get('env_cfg', {}), cpu_allocator='glibc')
         return _runner_trainer(make_runner(cfg))
     return build
 

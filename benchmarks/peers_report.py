@@ -316,7 +316,8 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
 def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = 'img') -> None:
     """Put the section into the Markdown file ``doc``, leaving the rest of it as it is.
 
-    It replaces the section of the same title, or goes before "## Observations"
+    It replaces the section of the same title, up to the next heading or HTML
+    comment (another generator's marker), or goes before "## Observations"
     (where :func:`benchmarks.report.render` puts it), or at the end.
     """
     with open(doc, encoding='utf-8') as f:
@@ -324,8 +325,8 @@ def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = '
     section = peers_lines(data, img_dir, img_rel)
     if TITLE in lines:
         start = lines.index(TITLE)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith('## ')),
-                   len(lines))
+        end = next((i for i in range(start + 1, len(lines))
+                    if lines[i].startswith(('## ', '<!-- '))), len(lines))  # next section / marker
     else:
         start = end = lines.index('## Observations') if '## Observations' in lines else len(lines)
     lines[start:end] = section

@@ -83,3 +83,14 @@ def test_report_flags_arms_that_do_not_shard_or_fail():
     assert 'does not shard' in text and '`ValueError: only on GPU`' in text
     compared = [m for g, _, m, _ in peers_report.goals(list(rows.values()))]
     assert compared and all('accelerate' not in m and 'Fabric' not in m for m in compared)
+
+
+def test_report_section_replaces_only_its_own_lines(tmp_path):
+    doc = tmp_path / 'benchmarks.md'  # a generator's section between hand-kept lines
+    doc.write_text('\n'.join(['## 10. Before', 'kept', peers_report.TITLE, 'old table',
+                              '<!-- peak-truth:begin -->', '## 12. After', 'kept too']))
+    peers_report.write_section(str(doc), peers_report.load(), img_dir=None)  # the committed run
+    text = doc.read_text()
+    assert 'old table' not in text and text.count(peers_report.TITLE) == 1
+    assert text.index('kept') < text.index(peers_report.TITLE) < text.index(
+        '<!-- peak-truth:begin -->') < text.index('## 12. After')
