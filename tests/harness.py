@@ -9,18 +9,35 @@ cannot hang the suite. Process groups are started with :data:`COLLECTIVE_TIMEOUT
 so that each collective also times out on its own.
 
 Tests batch several checks into one call: starting interpreters is the cost.
+
+``run_job(cmd, env=job_env(...))`` runs a whole job the way a user starts it
+(``tools/dist_train.sh``, ``torchrun``, a third-party ``train.py``) in its own
+session under a deadline; a job past it is killed with all its processes.
+
+The small comparisons the checks share (:func:`max_abs_diff`,
+:func:`scalar_history`, :func:`raised`) live here too, so that every test
+measures "equal to one process" the same way.
 """
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import pytest
 import torch
 
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'free_port', 'run_distributed']
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO',
+           'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
+           'scalar_history']
+
+#: The repository root: the working directory of the documented launch commands.
+REPO = Path(__file__).resolve().parents[1]
 
 #: Every collective of a test process group fails after this many seconds.
 COLLECTIVE_TIMEOUT_S = 60
@@ -84,3 +101,96 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         if failed:
             raise AssertionError(f'ranks exited with codes {failed}')
         return [torch.load(os.path.join(out_dir, f'{r}.pt')) for r in range(world_size)]
+
+
+#: A job's deadline: starting the interpreters dominates, each job trains a few seconds.
+JOB_TIMEOUT_S = 240
+#: Variables a launcher sets; a job a test starts must not inherit them from the test run
+#: (under torchrun or Slurm the job would take the test's rank and port).
+LAUNCHER_VARS = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
+                 'MASTER_PORT', 'PORT')
+#: How much of a failed job's output the failure shows.
+OUTPUT_TAIL = 6000
+
+
+def job_env(*pythonpath: Union[str, Path], unset: Iterable[str] = (),
+            **variables: str) -> Dict[str, str]:
+    """The environment of a job a test starts: the test run's, made launch-neutral.
+
+    :data:`LAUNCHER_VARS` and the names in ``unset`` (a name ending in ``*`` is
+    a prefix: ``'SLURM_*'``) are removed; ``OMP_NUM_THREADS=1``, as torchrun
+    gives its workers (the suite shares the cores, and oversubscribed OpenMP
+    threads slowed a step 10x here); ``pythonpath`` goes before the inherited
+    ``PYTHONPATH``; ``variables`` are set last.
+    """
+    names = set(LAUNCHER_VARS) | {n for n in unset if not n.endswith('*')}
+    prefixes = tuple(n[:-1] for n in unset if n.endswith('*'))
+    env = {k: v for k, v in os.environ.items()
+           if k not in names and not (prefixes and k.startswith(prefixes))}
+    env['OMP_NUM_THREADS'] = '1'
+    paths = [str(p) for p in pythonpath] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
+    if paths:
+        env['PYTHONPATH'] = os.pathsep.join(paths)
+    env.update(variables)
+    return env
+
+
+def run_job(cmd: Sequence[str], *, env: Optional[Dict[str, str]] = None,
+            cwd: Union[str, Path] = REPO, timeout: float = JOB_TIMEOUT_S,
+            merge_stderr: bool = True) -> str:
+    """Run ``cmd`` in ``cwd`` in its own session; return its output, or fail with its tail.
+
+    ``env`` defaults to :func:`job_env` ``()``. The job gets a new session
+    (process group), so a job past ``timeout`` is killed with every process it
+    started (torchrun's workers included) and the test fails with the output it
+    had written. With ``merge_stderr=False`` only stdout is returned (for a
+    command whose stdout is parsed) and stderr is shown on failure.
+    """
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=job_env() if env is None else env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f'{cmd} still running after {timeout} s; output:\n'
+                    f'{(out + (err or ""))[-OUTPUT_TAIL:]}')
+    assert proc.returncode == 0, (f'{cmd} exited with {proc.returncode}; output:\n'
+                                  f'{(out + (err or ""))[-OUTPUT_TAIL:]}')
+    return out
+
+
+def max_abs_diff(a: Dict[str, Any], b: Dict[str, Any]) -> float:
+    """The largest absolute difference between two state dicts with the same keys.
+
+    Nested dicts (optimizer state) are compared recursively; tensors are
+    compared in float64 (so the difference itself is not rounded), empty ones
+    count as equal; any other value counts 0 when equal and 1 when not. Keys
+    that differ fail the test, naming them.
+    """
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    diffs = [max_abs_diff(a[k], b[k]) if isinstance(a[k], dict)
+             else ((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0)
+             if isinstance(a[k], torch.Tensor) else float(a[k] != b[k]) for k in a]
+    return max(diffs, default=0.0)
+
+
+def scalar_history(runner, key: str) -> List[float]:
+    """Every value a runner's message hub logged under ``key`` (``'train/loss'``), oldest first."""
+    if not runner.message_hub.log_scalars.get(key):
+        return []
+    return [float(v) for v in runner.message_hub.get_scalar(key).data[0]]
+
+
+def raised(fn: Callable[[], Any]) -> Tuple[Optional[str], Optional[str]]:
+    """``(type name, message)`` of what ``fn()`` raised, ``(None, None)`` if nothing.
+
+    For checks that run on every rank and compare the errors afterwards.
+    """
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
+        return type(e).__name__, str(e)
+    return None, None

@@ -14,7 +14,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.runner import Runner
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed
 from toy import runner_config
 
 TOL = 2e-5
@@ -148,14 +148,9 @@ def reference(tmp_path_factory):
     return run
 
 
-def _max_abs_diff(state: dict, ref_state: dict) -> float:
-    assert sorted(state) == sorted(ref_state)
-    return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-
-
 @pytest.mark.parametrize('run', list(RUNS))
 def test_final_weights_equal_one_process_with_the_accumulated_batch(run, runs, reference):
-    diff = _max_abs_diff(runs[run]['state'], reference(RUNS[run][1]))
+    diff = max_abs_diff(runs[run]['state'], reference(RUNS[run][1]))
     print(f'{run}: max abs diff {diff:.2e}')
     assert diff <= TOL
 
@@ -191,7 +186,7 @@ def test_fsdp2_unsharded_zero2_keeps_parameters_gathered_between_micro_steps(run
 def test_resume_between_steps_continues_exactly(runs, wrapper):
     resumed, straight = runs[f'resumed/{wrapper}'], runs[f'{wrapper}/sharded/fp32']
     assert resumed['iter'] == MAX_ITERS
-    assert _max_abs_diff(resumed['state'], straight['state']) == 0
+    assert max_abs_diff(resumed['state'], straight['state']) == 0
 
 
 @pytest.mark.parametrize('kind', ['fsdp1', 'fsdp2'])

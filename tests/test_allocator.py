@@ -8,7 +8,6 @@ rules keep it in the heap.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import List, Tuple
 
 import pytest
 
-from harness import free_port
+from harness import JOB_TIMEOUT_S, REPO, free_port, job_env, run_job
 from mmfsdp.allocator import (
     DEFAULT,
     POLICIES,
@@ -26,10 +25,8 @@ from mmfsdp.allocator import (
     resolve_cpu_allocator,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 MiB = 1 << 20
-JOB_TIMEOUT_S = 240
 
 needs_glibc = pytest.mark.skipif(glibc() is None, reason='needs Linux with glibc')
 
@@ -79,23 +76,11 @@ def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> Tuple[List[dict
         f"custom_hooks = [dict(type='AllocatorCheckHook', out_dir={str(out_dir)!r})]",
         'train_cfg = dict(max_iters=1, val_interval=2)',
         'default_hooks = dict(checkpoint=dict(save_last=False))', '']))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith('MALLOC_') and k not in ('GLIBC_TUNABLES', 'THP_MEM_ALLOC_ENABLE')
-           and k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE',
-                         'MASTER_ADDR', 'MASTER_PORT')}
-    env.update(PYTHON=sys.executable, PORT=str(free_port()), OMP_NUM_THREADS='1',
-               PYTHONPATH=str(TESTS))
-    cmd = ['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
-           str(tmp_path / f'work-{name}'), *cfg_options]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s; output:\n{out[-6000:]}')
-    assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}:\n{out[-6000:]}'
+    # The allocator settings of the test run must not reach the job.
+    env = job_env(TESTS, unset=('MALLOC_*', 'GLIBC_TUNABLES', 'THP_MEM_ALLOC_ENABLE'),
+                  PYTHON=sys.executable, PORT=str(free_port()))
+    out = run_job(['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
+                   str(tmp_path / f'work-{name}'), *cfg_options], env=env)
     return [json.loads((out_dir / f'rank{r}.json').read_text()) for r in range(2)], out
 
 

@@ -4,11 +4,8 @@ import torch
 from mmengine.config import Config
 
 from harness import DIST_CFG, run_distributed
-from toy import ToyClassifier, runner_config
+from toy import DDP, FSDP1, ToyClassifier, runner_config
 
-FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
-            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
 AMP = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
            optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=1.0))
 INIT_SCALE = 2.0**10
@@ -21,8 +18,8 @@ def _step_with_inf_on_rank_1(wrapper_cfg: dict) -> dict:
     from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
     init_distributed('pytorch', DIST_CFG)
     torch.manual_seed(0)
-    if wrapper_cfg['type'] == FSDP['type']:
-        model = MMFullyShardedDataParallel(ToyClassifier(), auto_wrap_policy=FSDP[
+    if wrapper_cfg['type'] == FSDP1['type']:
+        model = MMFullyShardedDataParallel(ToyClassifier(), auto_wrap_policy=FSDP1[
             'auto_wrap_policy'])
     else:
         model = MMDistributedDataParallel(ToyClassifier())
@@ -68,7 +65,7 @@ def _train(root: str, wrapper: dict, resume: bool) -> dict:
 def _all(root: str) -> dict:
     import mmfsdp  # noqa: F401
     out = {}
-    for key, wrapper in (('fsdp', FSDP), ('ddp', DDP)):
+    for key, wrapper in (('fsdp', FSDP1), ('ddp', DDP)):
         out[f'{key}/straight'] = _train(root, wrapper, resume=False)
         out[f'{key}/resumed'] = _train(root, wrapper, resume=True)
     return out
@@ -79,7 +76,7 @@ def ranks(tmp_path_factory) -> list:
     return run_distributed(_all, 2, str(tmp_path_factory.mktemp('amp')))
 
 
-@pytest.mark.parametrize('wrapper', [FSDP, DDP], ids=['fsdp', 'ddp'])
+@pytest.mark.parametrize('wrapper', [FSDP1, DDP], ids=['fsdp', 'ddp'])
 def test_all_ranks_skip_the_step_when_one_rank_sees_inf(wrapper):
     ranks = run_distributed(_step_with_inf_on_rank_1, 2, wrapper)
     assert [r['changed'] for r in ranks] == [False, False]

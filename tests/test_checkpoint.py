@@ -11,6 +11,7 @@ different world sizes train the same numbers. Process groups:
 This process resumes the 2-rank checkpoints without any process group, and
 checks consolidation, plain loading and what ``torch.load`` accepts.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -21,32 +22,21 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import META_FILE, UnsafeCheckpointError
-from toy import ToyClassifier, runner_config
+from toy import DDP, FSDP1, ToyClassifier, checkpointing_config, runner_config
 
-FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
-            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
-WRAPPERS = {'fsdp': FSDP, 'ddp': DDP}
+WRAPPERS = {'fsdp': FSDP1, 'ddp': DDP}
 TYPES = ('full', 'sharded')
 GLOBAL_BATCH, HALF, TOTAL = 8, 3, 6
 SAME_WORLD_TOL, OTHER_WORLD_TOL = 1e-6, 2e-5
 PROBE = torch.linspace(-2, 2, 5 * 6).reshape(5, 6)
 
 
-def _config(work_dir: str, wrapper, world_size: int, *, state_dict_type: str = 'full',
-            resume_from: str = None, launcher: str = 'pytorch', **extra) -> Config:
-    cfg = runner_config(os.path.basename(work_dir), work_dir, wrapper=wrapper,
-                        batch_size=GLOBAL_BATCH // world_size, max_iters=TOTAL,
-                        launcher=launcher)
-    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=HALF,
-                                              by_epoch=False, state_dict_type=state_dict_type)
-    if resume_from is not None:
-        cfg.update(load_from=resume_from, resume=True)
-    cfg.update(extra)
-    return Config(cfg)
+#: Saves at iteration ``HALF`` of ``TOTAL``; the global batch is the same at every world size.
+_config = functools.partial(checkpointing_config, global_batch=GLOBAL_BATCH, max_iters=TOTAL,
+                            interval=HALF)
 
 
 def _final_state(runner) -> dict:
@@ -86,9 +76,9 @@ def _four_ranks(root: str) -> dict:
     import mmfsdp  # noqa: F401
     out = {}
     for kind in TYPES:
-        out[f'2to4/{kind}'] = _train(f'{root}/fsdp-{kind}-at4', FSDP, 4,
+        out[f'2to4/{kind}'] = _train(f'{root}/fsdp-{kind}-at4', FSDP1, 4,
                                      resume_from=_ckpt(root, f'fsdp-{kind}'))
-        _train(f'{root}/fsdp4-{kind}', FSDP, 4, state_dict_type=kind)
+        _train(f'{root}/fsdp4-{kind}', FSDP1, 4, state_dict_type=kind)
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -96,14 +86,14 @@ def _back_to_two_ranks(root: str, stock_checkpoint: str) -> dict:
     import mmfsdp  # noqa: F401
     out = {}
     for kind in TYPES:
-        out[f'4to2/{kind}'] = _train(f'{root}/fsdp4-{kind}-at2', FSDP, 2,
+        out[f'4to2/{kind}'] = _train(f'{root}/fsdp4-{kind}-at2', FSDP1, 2,
                                      resume_from=_ckpt(root, f'fsdp4-{kind}'))
     try:
-        _train(f'{root}/stock-refused', FSDP, 2, resume_from=stock_checkpoint)
+        _train(f'{root}/stock-refused', FSDP1, 2, resume_from=stock_checkpoint)
         out['stock/refused'] = None
     except UnsafeCheckpointError as e:
         out['stock/refused'] = str(e)
-    out['stock/opted-in'] = _train(f'{root}/stock-at2', FSDP, 2, resume_from=stock_checkpoint,
+    out['stock/opted-in'] = _train(f'{root}/stock-at2', FSDP1, 2, resume_from=stock_checkpoint,
                                    allow_unsafe_checkpoints=True)
     return out if torch.distributed.get_rank() == 0 else None
 
@@ -132,17 +122,10 @@ def runs(root, stock_checkpoint) -> dict:
     return results
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    diffs = [_max_diff(a[k], b[k]) if isinstance(a[k], dict) else
-             (a[k].float() - b[k].float()).abs().max().item() for k in a]
-    return max(diffs)
-
-
 def _assert_same_training(got: dict, expected: dict, tol: float) -> None:
     assert got['iter'] == expected['iter'] == TOTAL
-    model_diff = _max_diff(got['model'], expected['model'])
-    optim_diff = _max_diff(got['optimizer'], expected['optimizer'])
+    model_diff = max_abs_diff(got['model'], expected['model'])
+    optim_diff = max_abs_diff(got['optimizer'], expected['optimizer'])
     print(f'max abs diff: weights {model_diff:.1e}, optimizer state {optim_diff:.1e}')
     assert model_diff <= tol and optim_diff <= tol
 
@@ -166,7 +149,7 @@ def test_checkpoint_from_4_ranks_resumes_at_2(runs, kind):
 
 @pytest.mark.parametrize('kind', TYPES)
 def test_checkpoint_from_2_ranks_resumes_in_one_process(runs, root, kind):
-    runner = FSDPRunner.from_cfg(_config(f'{root}/fsdp-{kind}-at1', FSDP, 1, launcher='none',
+    runner = FSDPRunner.from_cfg(_config(f'{root}/fsdp-{kind}-at1', FSDP1, 1,
                                          resume_from=_ckpt(root, f'fsdp-{kind}')))
     runner.train()
     _assert_same_training(_final_state(runner), runs['uninterrupted/fsdp-full'],
@@ -175,15 +158,15 @@ def test_checkpoint_from_2_ranks_resumes_in_one_process(runs, root, kind):
 
 @pytest.mark.parametrize('kind', TYPES)
 def test_load_from_reads_the_weights_in_one_process(runs, root, kind):
-    cfg = _config(f'{root}/load-{kind}', FSDP, 1, launcher='none')
+    cfg = _config(f'{root}/load-{kind}', FSDP1, 1)
     runner = FSDPRunner.from_cfg(cfg)
     runner.load_checkpoint(_ckpt(root, f'fsdp-{kind}', TOTAL))
     expected = runs['uninterrupted/fsdp-full']['model']
-    assert _max_diff(runner.model.state_dict(), expected) == 0
+    assert max_abs_diff(runner.model.state_dict(), expected) == 0
 
 
 def test_one_process_use_of_a_sharded_checkpoint_is_quiet(runs, root):
-    runner = FSDPRunner.from_cfg(_config(f'{root}/quiet', FSDP, 1, launcher='none'))
+    runner = FSDPRunner.from_cfg(_config(f'{root}/quiet', FSDP1, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         runner.load_checkpoint(_ckpt(root, 'fsdp-sharded', TOTAL))
@@ -217,8 +200,8 @@ def test_consolidation_turns_a_sharded_directory_into_the_full_file(root, tmp_pa
     assert done.stderr == ''  # nothing to warn about
     consolidated = torch.load(dst)
     full = torch.load(_ckpt(root, 'fsdp-full'))
-    assert _max_diff(consolidated['state_dict'], full['state_dict']) == 0
-    assert _max_diff(consolidated['optimizer']['state'], full['optimizer']['state']) == 0
+    assert max_abs_diff(consolidated['state_dict'], full['state_dict']) == 0
+    assert max_abs_diff(consolidated['optimizer']['state'], full['optimizer']['state']) == 0
     assert consolidated['meta']['iter'] == full['meta']['iter']
 
 
@@ -264,7 +247,7 @@ def test_checkpoint_with_unexpected_globals_executes_nothing(tmp_path):
     path = str(tmp_path / 'evil.pth')
     torch.save(dict(state_dict={}, meta=dict(iter=1), payload=_CreatesFile(str(marker))), path)
     cfg = runner_config('evil', str(tmp_path / 'work'), batch_size=8, launcher='none',
-                        wrapper=FSDP)
+                        wrapper=FSDP1)
     cfg.update(load_from=path)
     runner = FSDPRunner.from_cfg(Config(cfg))
     with pytest.raises(UnsafeCheckpointError, match='allow_unsafe_checkpoints = True'):

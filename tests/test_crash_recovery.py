@@ -8,7 +8,6 @@ continues from it with the same numbers as an uninterrupted run.
 """
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -16,18 +15,16 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import run_distributed
+from harness import REPO, job_env, max_abs_diff, run_distributed, run_job
 from mmfsdp.checkpoint import is_sharded_checkpoint
-from toy import runner_config
+from toy import FSDP1, runner_config
 
-FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
-            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
 KILL_AT, TOTAL = 4, 6
 TOL = 2e-5
 
 
 def _config(work_dir: str, kind: str, timeout: int = 60) -> Config:
-    cfg = runner_config(f'crash-{kind}', work_dir, wrapper=FSDP, batch_size=4, max_iters=TOTAL)
+    cfg = runner_config(f'crash-{kind}', work_dir, wrapper=FSDP1, batch_size=4, max_iters=TOTAL)
     cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2, by_epoch=False,
                                               max_keep_ckpts=1, state_dict_type=kind)
     cfg.update(resume=True, env_cfg=dict(dist_cfg=dict(timeout=timeout)))
@@ -113,11 +110,6 @@ def reference(tmp_path_factory) -> dict:
     return runner.model.state_dict()
 
 
-def _max_diff(state: dict, expected: dict) -> float:
-    assert sorted(state) == sorted(expected)
-    return max((state[k] - expected[k]).abs().max().item() for k in expected)
-
-
 @pytest.mark.parametrize('kind', ['full', 'sharded'])
 def test_kill_during_save_keeps_previous_checkpoint(crashed, root, kind):
     files, last = crashed[kind]['files'], crashed[kind]['last']
@@ -133,7 +125,7 @@ def test_kill_during_save_keeps_previous_checkpoint(crashed, root, kind):
 def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, kind):
     got = resumed[kind]
     assert got['iter'] == TOTAL
-    diff = _max_diff(got['state'], reference)
+    diff = max_abs_diff(got['state'], reference)
     print(f'{kind}: max abs diff after crash + auto-resume {diff:.1e}')
     assert diff <= TOL
 
@@ -142,21 +134,18 @@ def _elastic_job(tmp_path, kill_at: int, mode: str = 'step') -> dict:
     """Run tests/elastic_job.py under ``torchrun --max-restarts 1``; its final state."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = tmp_path / f'final-{kill_at}-{mode}.pth'
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(here), here, os.environ.get('PYTHONPATH', '')]))
-    job = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                          '--nproc-per-node', '2', '--max-restarts', '1',
-                          os.path.join(here, 'elastic_job.py'), str(tmp_path / f'work-{mode}'),
-                          str(out), str(kill_at), mode],
-                         env=env, timeout=300, capture_output=True, text=True)
-    assert job.returncode == 0, job.stderr[-3000:]
+    run_job([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+             '--nproc-per-node', '2', '--max-restarts', '1',
+             os.path.join(here, 'elastic_job.py'), str(tmp_path / f'work-{mode}'),
+             str(out), str(kill_at), mode],
+            env=job_env(REPO, here), timeout=300)
     return torch.load(out)
 
 
 def test_elastic_restart_resumes_and_matches_uninterrupted(tmp_path, reference):
     final = _elastic_job(tmp_path, KILL_AT + 1)
     assert final['restarts'] == 1 and final['iter'] == TOTAL
-    diff = _max_diff(final['state'], reference)
+    diff = max_abs_diff(final['state'], reference)
     print(f'elastic restart: max abs diff {diff:.1e}')
     assert diff <= TOL
 
@@ -168,6 +157,6 @@ def test_elastic_restart_after_kill_mid_save_equals_uninterrupted_job(tmp_path):
     uninterrupted = _elastic_job(tmp_path, 0, 'none')
     final = _elastic_job(tmp_path, KILL_AT, 'save')
     assert final['restarts'] == 1 and final['iter'] == uninterrupted['iter'] == TOTAL
-    diff = _max_diff(final['state'], uninterrupted['state'])
+    diff = max_abs_diff(final['state'], uninterrupted['state'])
     print(f'elastic restart after kill mid-save: max abs diff {diff:.1e}')
     assert diff <= 1e-6

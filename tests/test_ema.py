@@ -23,15 +23,9 @@ from mmengine.config import Config
 from mmengine.runner import Runner
 
 from harness import COLLECTIVE_TIMEOUT_S, run_distributed
-from toy import ToyClassifier, runner_config
+from toy import DDP, FSDP1, FSDP2, WRAPPERS, ToyClassifier, runner_config
 
 TOL = 2e-5
-FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-FSDP2 = dict(type='mmfsdp.MMFullyShard',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
-WRAPPERS = {'fsdp1': FSDP1, 'fsdp2': FSDP2, 'ddp': DDP}
 #: One hook of each type mmengine ships; momenta large enough to tell them apart in 6 steps.
 EMA_HOOKS = {
     'ExponentialMovingAverage': dict(type='EMAHook', momentum=0.2),

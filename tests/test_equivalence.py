@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 from mmengine.config import Config
-from mmengine.runner import Runner
 
-from harness import run_distributed
-from toy import runner_config, saved_activation_bytes
+from harness import max_abs_diff, run_distributed, scalar_history
+from toy import runner_config, saved_activation_bytes, train_one_process
 
 TOL = 2e-5
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
@@ -70,12 +69,6 @@ def _reference_iters(optim_wrapper: dict, extra: dict) -> int:
     return extra.get('max_iters', 6) // optim_wrapper.get('accumulative_counts', 1)
 
 
-def _history(runner, key: str) -> list:
-    if not runner.message_hub.log_scalars.get(key):
-        return []
-    return [float(v) for v in runner.message_hub.get_scalar(key).data[0]]
-
-
 def _param_groups(runner) -> list:
     """(names, lr, weight_decay) of every optimizer group, names unwrapped."""
     from mmfsdp.names import unwrapped_param_names
@@ -100,7 +93,7 @@ def _train_all(work_root: str) -> dict:
         runner = FSDPRunner.from_cfg(Config(cfg))
         runner.train()
         results[name] = dict(state=_full_state(runner.model), groups=_param_groups(runner),
-                             grad_norm=_history(runner, 'train/grad_norm'))
+                             grad_norm=scalar_history(runner, 'train/grad_norm'))
     for name, wrapper in EVAL_SCENARIOS.items():
         cfg = runner_config(name.replace('/', '-'), f'{work_root}/{name}', wrapper=wrapper,
                             batch_size=PER_RANK_BATCH, optim_wrapper=ADAMW, val=True,
@@ -112,7 +105,7 @@ def _train_all(work_root: str) -> dict:
                         max_iters=30)
     runner = FSDPRunner.from_cfg(Config(cfg))
     runner.train()
-    results['bf16'] = dict(loss=_history(runner, 'train/loss'),
+    results['bf16'] = dict(loss=scalar_history(runner, 'train/loss'),
                            dtypes=sorted({str(p.dtype) for p in runner.model.parameters()}))
     results['activation_bytes'] = {
         name: saved_activation_bytes(MMFullyShardedDataParallel, checkpoint)
@@ -140,27 +133,16 @@ def reference(tmp_path_factory):
                                 batch_size=_reference_batch(optim_wrapper),
                                 optim_wrapper=copy.deepcopy(single), val=val,
                                 max_iters=4 if val else _reference_iters(optim_wrapper, extra))
-            runner = Runner.from_cfg(Config(cfg))
-            runner.train()
-            cache[key] = dict(runner=runner, state={k: v.detach().clone() for k, v in
-                                                    runner.model.state_dict().items()},
-                              grad_norm=_history(runner, 'train/grad_norm'),
-                              val=runner.val() if val else None,
-                              test=runner.test() if val else None)
+            cache[key] = train_one_process(cfg, val)
         return cache[key]
 
     return run
 
 
-def _max_abs_diff(state: dict, ref_state: dict) -> float:
-    assert sorted(state) == sorted(ref_state)
-    return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-
-
 @pytest.mark.parametrize('name', list(SCENARIOS))
 def test_final_weights_equal_one_process(name, distributed, reference):
     wrapper, optim, extra = SCENARIOS[name]
-    diff = _max_abs_diff(distributed[name]['state'], reference(optim, extra)['state'])
+    diff = max_abs_diff(distributed[name]['state'], reference(optim, extra)['state'])
     print(f'{name}: max abs diff {diff:.2e}')
     assert diff <= TOL
 

@@ -9,7 +9,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import DIST_CFG, run_distributed
+from harness import DIST_CFG, raised, run_distributed
 from toy import runner_config
 
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
@@ -72,14 +72,6 @@ MODEL_ERRORS = {
 }
 
 
-def _error(fn) -> tuple:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
-        return type(e).__name__, str(e)
-    return None, None
-
-
 def _checks(work_root: str) -> dict:
     import mmfsdp  # noqa: F401
     from mmfsdp import FSDPRunner
@@ -94,20 +86,20 @@ def _checks(work_root: str) -> dict:
 
     config_errors = dict(CONFIG_ERRORS, **(CPU_ERRORS if CPU_ONLY else {}))
     for name, (wrapper, _, _) in config_errors.items():
-        out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (
+        out[name] = raised(lambda n=name, w=wrapper: build(n, w)) + (
             torch.distributed.is_initialized(), )
     start_up_errors = dict(START_UP_ERRORS, **(CPU_START_UP_ERRORS if CPU_ONLY else {}))
     for name, (extra, _, _) in start_up_errors.items():
-        out[name] = _error(lambda n=name, e=extra: build(n, dict(type=DDP), **e)) + (
+        out[name] = raised(lambda n=name, e=extra: build(n, dict(type=DDP), **e)) + (
             torch.distributed.is_initialized(), )
     for name, (wrapper, _, _) in MODEL_ERRORS.items():
-        out[name] = _error(lambda n=name, w=wrapper: build(n, w)) + (None, )
+        out[name] = raised(lambda n=name, w=wrapper: build(n, w)) + (None, )
 
     # mmengine's stock Runner: start the group first (its init_dist needs CUDA)
     if not torch.distributed.is_initialized():
         init_distributed('pytorch', DIST_CFG)
     wrapper = dict(type=FSDP, auto_wrap_policy=BLOCKS)
-    out['stock runner'] = _error(lambda: build('stock', wrapper, Runner))
+    out['stock runner'] = raised(lambda: build('stock', wrapper, Runner))
 
     wrapper = dict(type=DDP)
     cfg = runner_config('stock-ddp', f'{work_root}/stock-ddp', batch_size=4, wrapper=wrapper)

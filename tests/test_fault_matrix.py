@@ -20,12 +20,8 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 
 from harness import COLLECTIVE_TIMEOUT_S, run_distributed
-from toy import runner_config
+from toy import FSDP1, FSDP2, runner_config
 
-FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel',
-            auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-FSDP2 = dict(type='mmfsdp.MMFullyShard',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
 #: An error must reach every rank well before a collective could time out.
 BOUND_S = COLLECTIVE_TIMEOUT_S / 2
 
@@ -95,14 +91,14 @@ def _resume_after_damage(case: str, root: str, kind: str, damaged: list, how: st
     """Save iter_2 and iter_4, damage some, then auto-resume to iter_6."""
     import torch.distributed as dist
     name = case.replace(' ', '-')
-    _runner(name, root, FSDP, checkpoint=kind, max_iters=4).train()
+    _runner(name, root, FSDP1, checkpoint=kind, max_iters=4).train()
     dist.barrier()
     if dist.get_rank() == 0:
         for step in damaged:
             _damage(f'{root}/{name}/iter_{step}.pth', how)
     dist.barrier()
     _inject(case)
-    runner = _runner(name, root, FSDP, checkpoint=kind, max_iters=6, resume=True)
+    runner = _runner(name, root, FSDP1, checkpoint=kind, max_iters=6, resume=True)
     collect, start = _Collect(), _Start()
     runner.logger.addHandler(collect)
     runner.register_hook(start)
@@ -128,7 +124,7 @@ def _faults(root: str) -> dict:
 
         cls._log_sharding_plan = log
         try:
-            _runner('plan', root, FSDP).train()
+            _runner('plan', root, FSDP1).train()
         finally:
             cls._log_sharding_plan = real
 
@@ -148,18 +144,18 @@ def _faults(root: str) -> dict:
 
         torch.save = save
         try:
-            _runner(f'save-{kind}', root, FSDP, checkpoint=kind).train()
+            _runner(f'save-{kind}', root, FSDP1, checkpoint=kind).train()
         finally:
             torch.save = real
 
     def different_model():
-        runner = _runner('model', root, FSDP,
+        runner = _runner('model', root, FSDP1,
                          model=dict(type='ToyClassifier', dim=16 if rank == 0 else 20))
         runner.train()
 
     def different_policy():
-        wrapper = FSDP if rank == 0 else dict(
-            FSDP, auto_wrap_policy=dict(type='size_based', min_num_params=200))
+        wrapper = FSDP1 if rank == 0 else dict(
+            FSDP1, auto_wrap_policy=dict(type='size_based', min_num_params=200))
         _runner('policy', root, wrapper).train()
 
     def record(name, outcome):
@@ -186,7 +182,7 @@ def _faults(root: str) -> dict:
                     f.write(repr(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    runner = _runner('sigkill', root, FSDP, max_iters=4)
+    runner = _runner('sigkill', root, FSDP1, max_iters=4)
     runner.register_hook(Die())
     record('SIGKILL mid-step', _outcome('SIGKILL mid-step', runner.train))
 
@@ -304,7 +300,7 @@ class _SlowSave(Hook):
 def _slow_save(root: str) -> dict:
     from mmfsdp.dist import init_distributed
     init_distributed('pytorch', dict(timeout=SHORT_TIMEOUT_S))
-    runner = _runner('slow', root, FSDP, checkpoint='full', env_cfg=dict())
+    runner = _runner('slow', root, FSDP1, checkpoint='full', env_cfg=dict())
     runner.register_hook(_SlowSave())
     start = time.monotonic()
     runner.train()

@@ -27,17 +27,11 @@ from mmengine.model import BaseModel
 from mmengine.registry import MODELS
 from mmengine.runner import Runner
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import UnsafeCheckpointError
-from toy import ToyClassifier, runner_config
+from toy import FSDP1, FSDP2, WRAPPERS, ToyClassifier, runner_config
 
-FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-FSDP2 = dict(type='mmfsdp.MMFullyShard',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
-WRAPPERS = {'fsdp1': FSDP1, 'fsdp2': FSDP2, 'ddp': DDP}
 SOURCES = ('full', 'sharded', 'stock')
 GLOBAL_BATCH, SOURCE_ITERS, FINETUNE_ITERS = 8, 3, 3
 SOURCE_CLASSES, TARGET_CLASSES = 5, 7
@@ -198,11 +192,6 @@ def runs(root, server, stock_source) -> dict:
     return results
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize('wrapper', WRAPPERS)
 @pytest.mark.parametrize('kind', SOURCES)
 def test_finetune_from_other_head_warns_and_equals_stock_runner(runs, wrapper, kind):
@@ -211,7 +200,7 @@ def test_finetune_from_other_head_warns_and_equals_stock_runner(runs, wrapper, k
     assert len(mismatch) == 1, got['warnings']
     assert HEAD_MISMATCH in mismatch[0] and 'head.bias' in mismatch[0]
     reference = runs['reference/stock' if kind == 'stock' else 'reference/full']
-    diff = _max_diff(got['weights'], reference)
+    diff = max_abs_diff(got['weights'], reference)
     print(f'{wrapper} from {kind}: max abs diff to the stock Runner {diff:.1e}')
     assert diff <= TOL
 
@@ -221,7 +210,7 @@ def test_load_from_url_downloads_and_finetunes(runs, source):
     assert runs['downloaded'] == [f'iter_{SOURCE_ITERS}.pth', 'toy_source.pth']
     got = runs[f'fsdp2/{source}']
     assert any(HEAD_MISMATCH in m for m in got['warnings'])
-    assert _max_diff(got['weights'], runs['reference/full']) <= TOL
+    assert max_abs_diff(got['weights'], runs['reference/full']) <= TOL
 
 
 def test_sharded_load_from_that_matches_no_key_names_the_keys(runs):
@@ -233,7 +222,7 @@ def test_sharded_load_from_that_matches_no_key_names_the_keys(runs):
 
 
 def test_sharded_load_with_revise_keys(runs):
-    assert _max_diff(runs['prefixed/revised'], runs['prefixed/source']) == 0
+    assert max_abs_diff(runs['prefixed/revised'], runs['prefixed/source']) == 0
 
 
 @pytest.fixture()
@@ -261,4 +250,4 @@ def test_legacy_file_loads_with_the_switch_and_a_warning(tmp_path, legacy_file):
     with pytest.warns(UserWarning, match=legacy_file):
         runner.load_checkpoint(legacy_file)
     expected = torch.load(legacy_file, weights_only=False)['state_dict']
-    assert _max_diff(runner.model.state_dict(), expected) == 0
+    assert max_abs_diff(runner.model.state_dict(), expected) == 0

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.data import Dataset
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed, scalar_history
 from toy import ToyClassifier, runner_config, saved_activation_bytes
 
 FS = 'mmfsdp.MMFullyShard'
@@ -173,12 +173,6 @@ class StorageBytes(TorchDispatchMode):
 
 # ---------------------------------------------------------------- helpers run on every rank
 
-def _history(runner, key: str) -> list:
-    if not runner.message_hub.log_scalars.get(key):
-        return []
-    return [float(v) for v in runner.message_hub.get_scalar(key).data[0]]
-
-
 def _full_state(runner, optimizer: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -261,7 +255,7 @@ def _two_ranks(root: str) -> dict:
         cfg = runner_config(name, f'{root}/{name}', wrapper=wrapper, batch_size=4,
                             optim_wrapper=optim, **extra)
         runner = _train(cfg)
-        out[name] = dict(_full_state(runner), grad_norm=_history(runner, 'train/grad_norm'))
+        out[name] = dict(_full_state(runner), grad_norm=scalar_history(runner, 'train/grad_norm'))
 
     for name, wrapper in GPT_WRAPPERS.items():
         cfg = _gpt_config(name, f'{root}/{name}', batch_size=4, wrapper=wrapper)
@@ -290,7 +284,7 @@ def _two_ranks(root: str) -> dict:
 
     runner = _train(runner_config('bf16', f'{root}/bf16', wrapper=BF16, batch_size=4,
                                   max_iters=BF16_ITERS))
-    out['bf16'] = dict(loss=_history(runner, 'train/loss'),
+    out['bf16'] = dict(loss=scalar_history(runner, 'train/loss'),
                        dtypes=sorted({str(p.dtype) for p in runner.model.parameters()}))
     out['activation_bytes'] = {
         name: saved_activation_bytes(MMFullyShard, checkpoint)
@@ -403,20 +397,14 @@ def reference(tmp_path_factory):
             runner.train()
             cache[key] = dict(model={k: v.detach().clone() for k, v in
                                      runner.model.state_dict().items()},
-                              grad_norm=_history(runner, 'train/grad_norm'))
+                              grad_norm=scalar_history(runner, 'train/grad_norm'))
         return cache[key]
 
     return run
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(_max_diff(a[k], b[k]) if isinstance(a[k], dict) else
-               (a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def _assert_close(name: str, got: dict, expected: dict, tol: float) -> None:
-    diff = _max_diff(got, expected)
+    diff = max_abs_diff(got, expected)
     print(f'{name}: max abs diff {diff:.1e}')
     assert diff <= tol
 
@@ -521,8 +509,8 @@ def test_consolidated_sharded_checkpoint_equals_the_full_one(runs, root, tmp_pat
     subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate', _ckpt(root, 'fs-sharded'), dst],
                    check=True)
     consolidated, full = torch.load(dst), torch.load(_ckpt(root, 'fs-full'))
-    assert _max_diff(consolidated['state_dict'], full['state_dict']) == 0
-    assert _max_diff(consolidated['optimizer']['state'], full['optimizer']['state']) == 0
+    assert max_abs_diff(consolidated['state_dict'], full['state_dict']) == 0
+    assert max_abs_diff(consolidated['optimizer']['state'], full['optimizer']['state']) == 0
 
 
 # ---------------------------------------------------------------- meta init

@@ -20,7 +20,7 @@ from mmengine.runner import Runner
 from torch.utils.data import Dataset
 
 import toy  # noqa: F401  (registers ToyMetric: mean nll and accuracy of the predictions)
-from harness import DIST_CFG, run_distributed
+from harness import DIST_CFG, max_abs_diff, run_distributed
 
 transformers = pytest.importorskip('transformers', reason='pip install -e .[tests]')
 
@@ -197,23 +197,18 @@ def reference(tmp_path_factory) -> dict:
     return out
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize('model', list(MODELS_UNDER_TEST))
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2', 'ddp'])
 def test_hf_model_with_ema_trains_like_one_process(distributed, reference, model, wrapper):
     got, expected = distributed[f'{model}/{wrapper}'], reference[model]
-    weights = _max_diff(got['model'], expected['model'])
-    averaged = _max_diff(got['averaged'], expected['averaged'])
+    weights = max_abs_diff(got['model'], expected['model'])
+    averaged = max_abs_diff(got['averaged'], expected['averaged'])
     print(f'{model} {wrapper}: max abs diff weights {weights:.1e}, averaged {averaged:.1e}, '
           f"val nll {got['val_nll']:.6f} vs {expected['val_nll']:.6f}")
     assert weights <= TOL and averaged <= TOL
     assert got['val_nll'] == pytest.approx(expected['val_nll'], abs=TOL)
     assert got['val_accuracy'] == pytest.approx(expected['val_accuracy'], abs=1e-6)
-    assert _max_diff(got['model'], got['averaged']) > 1e-3  # the average is not the weights
+    assert max_abs_diff(got['model'], got['averaged']) > 1e-3  # the average is not the weights
 
 
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2', 'ddp'])

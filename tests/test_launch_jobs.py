@@ -12,54 +12,29 @@ with all its processes.
 import json
 import os
 import re
-import signal
 import stat
-import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
 import pytest
 
-from harness import free_port
+from harness import REPO, free_port, job_env, run_job
 
-REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
 DDP_CONFIG = 'configs/gpt-nano_ddp_2xcpu.py'
 #: The Python-style twin (read_base, imported classes) runs under Slurm.
 PY_FSDP_CONFIG = 'configs/py/gpt_nano_fsdp_2xcpu.py'
-#: Starting the interpreters dominates: each job is a few seconds of training.
-JOB_TIMEOUT_S = 240
 #: Byte-level model: guessing uniformly over 256 byte values has perplexity 256.
 UNIFORM_PERPLEXITY = 256.0
 
 TRAIN_LOSS = re.compile(r'Iter\(train\) \[\s*(\d+)/\d+\].*?\bloss: ([0-9.]+)')
 PERPLEXITY = re.compile(r'Iter\((val|test)\) .*?lm/perplexity: ([0-9.]+)')
-#: Variables a launcher sets; the jobs must not inherit them from the test run.
-LAUNCHER_VARS = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
-                 'MASTER_PORT', 'PORT')
 
 
-def run_job(cmd: List[str], *, env: dict = None, timeout: float = JOB_TIMEOUT_S) -> str:
-    """Run ``cmd`` from the repository root; return its output, or fail with it."""
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in LAUNCHER_VARS and not k.startswith('SLURM_')}
-    # One thread per process, as torchrun gives its workers: the suite shares
-    # the cores, and oversubscribed OpenMP threads slowed a step 10x here.
-    full_env['OMP_NUM_THREADS'] = '1'
-    full_env['PYTHONPATH'] = os.pathsep.join(
-        [str(REPO)] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else []))
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f'{cmd} still running after {timeout} s; output:\n{out[-6000:]}')
-    assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}; output:\n{out[-6000:]}'
-    return out
+def _job(cmd: List[str], **variables: str) -> str:
+    """Run ``cmd`` from the repository root, outside any Slurm or torchrun of the test run."""
+    return run_job(cmd, env=job_env(REPO, unset=('SLURM_*',), **variables))
 
 
 def train_losses(log: str) -> List[float]:
@@ -73,12 +48,12 @@ def perplexities(log: str, mode: str) -> List[float]:
 def test_readme_demo_trains_then_evaluates_its_checkpoint(tmp_path):
     """dist_train.sh on 2 CPU processes (FSDP), then test.py on the checkpoint (1 process)."""
     work_dir = tmp_path / 'train'
-    log = run_job(
+    log = _job(
         ['bash', 'tools/dist_train.sh', FSDP_CONFIG, '2', '--work-dir', str(work_dir),
          '--cfg-options', 'train_cfg.max_iters=10', 'train_cfg.val_interval=10',
          'default_hooks.logger.interval=2', 'train_dataloader.batch_size=8',
          'val_dataloader.dataset.num_samples=64'],
-        env=dict(PORT=str(free_port()), PYTHON=sys.executable))
+        PORT=str(free_port()), PYTHON=sys.executable)
     losses = train_losses(log)
     assert len(losses) == 5, log[-3000:]
     assert all(b < a for a, b in zip(losses, losses[1:])), f'loss did not fall: {losses}'
@@ -88,9 +63,9 @@ def test_readme_demo_trains_then_evaluates_its_checkpoint(tmp_path):
     assert checkpoint.is_file()
     assert Path((work_dir / 'last_checkpoint').read_text().strip()) == checkpoint
 
-    log = run_job([sys.executable, 'tools/test.py', FSDP_CONFIG, str(checkpoint),
-                   '--launcher', 'none', '--work-dir', str(tmp_path / 'test'),
-                   '--cfg-options', 'test_dataloader.dataset.num_samples=64'])
+    log = _job([sys.executable, 'tools/test.py', FSDP_CONFIG, str(checkpoint),
+                '--launcher', 'none', '--work-dir', str(tmp_path / 'test'),
+                '--cfg-options', 'test_dataloader.dataset.num_samples=64'])
     # The same 64 validation windows, evaluated by one process from the file.
     (test_ppl,) = perplexities(log, 'test')
     assert test_ppl == pytest.approx(val_ppl, rel=1e-3)
@@ -98,10 +73,10 @@ def test_readme_demo_trains_then_evaluates_its_checkpoint(tmp_path):
 
 def test_ddp_config_trains_on_one_process(tmp_path):
     """`python tools/train.py CONFIG --launcher none`: no process group, no wrapper."""
-    log = run_job([sys.executable, 'tools/train.py', DDP_CONFIG, '--launcher', 'none',
-                   '--work-dir', str(tmp_path),
-                   '--cfg-options', 'train_cfg.max_iters=5', 'train_cfg.val_interval=100',
-                   'default_hooks.logger.interval=1', 'train_dataloader.batch_size=8'])
+    log = _job([sys.executable, 'tools/train.py', DDP_CONFIG, '--launcher', 'none',
+                '--work-dir', str(tmp_path),
+                '--cfg-options', 'train_cfg.max_iters=5', 'train_cfg.val_interval=100',
+                'default_hooks.logger.interval=1', 'train_dataloader.batch_size=8'])
     losses = train_losses(log)
     assert len(losses) == 5 and losses[-1] < losses[0], losses
     assert 'Distributed training: False' in log
@@ -164,10 +139,10 @@ def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
                FAKE_SRUN_RECORD=str(record), PYTHON=sys.executable, PORT=str(free_port()),
                GPUS='2', GPUS_PER_NODE='2', CPUS_PER_TASK='1', GRES='',
                SRUN_ARGS='--exclusive --time=5')
-    log = run_job(['bash', 'tools/slurm_train.sh', 'debug', 'gpt-nano', PY_FSDP_CONFIG,
-                   str(work_dir), '--cfg-options', 'train_cfg.max_iters=4',
-                   'train_cfg.val_interval=100', 'default_hooks.logger.interval=2',
-                   'train_dataloader.batch_size=4'], env=env)
+    log = _job(['bash', 'tools/slurm_train.sh', 'debug', 'gpt-nano', PY_FSDP_CONFIG,
+                str(work_dir), '--cfg-options', 'train_cfg.max_iters=4',
+                'train_cfg.val_interval=100', 'default_hooks.logger.interval=2',
+                'train_dataloader.batch_size=4'], **env)
     srun = json.loads(record.read_text())
     assert srun['options'] == {'-p': 'debug', '--job-name': 'gpt-nano', '--ntasks': '2',
                                '--ntasks-per-node': '2', '--cpus-per-task': '1',
@@ -182,8 +157,8 @@ def test_slurm_train_starts_ranks_from_srun_variables(tmp_path):
     # slurm_test.sh hands the same job to srun for test.py (recorded, not run:
     # test.py's slurm start-up is train.py's, checked above).
     env.update(FAKE_SRUN_DRY_RUN='1', GPUS='4', GPUS_PER_NODE='2', GRES='gpu:2', SRUN_ARGS='')
-    run_job(['bash', 'tools/slurm_test.sh', 'debug', 'gpt-nano-test', PY_FSDP_CONFIG,
-             str(work_dir / 'iter_4.pth'), '--work-dir', str(tmp_path / 'test')], env=env)
+    _job(['bash', 'tools/slurm_test.sh', 'debug', 'gpt-nano-test', PY_FSDP_CONFIG,
+          str(work_dir / 'iter_4.pth'), '--work-dir', str(tmp_path / 'test')], **env)
     srun = json.loads(record.read_text())
     assert srun['options'] == {'-p': 'debug', '--job-name': 'gpt-nano-test', '--gres': 'gpu:2',
                                '--ntasks': '4', '--ntasks-per-node': '2', '--cpus-per-task': '1',

@@ -22,9 +22,8 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import free_port
+from harness import REPO, free_port, job_env
 
-REPO = Path(__file__).resolve().parents[1]
 HSDP_CONFIG = REPO / 'configs' / 'gpt-nano_hsdp_2x2cpu.py'
 NODES, PROCS_PER_NODE, BATCH_PER_RANK, ITERS = 2, 2, 4, 4
 TIMEOUT_S = 300
@@ -131,10 +130,7 @@ def test_two_torchrun_nodes_shard_inside_a_node_and_match_one_process(tmp_path):
         f'default_hooks = {SHORT_SCHEDULE["default_hooks"]!r}\n'
         f'optim_wrapper = {SHORT_SCHEDULE["optim_wrapper"]!r}\n'
         + ''.join(f'{key} = None\n' for key in NO_VAL))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}
-    env.update(OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
-        [str(tmp_path), str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])))
+    env = job_env(tmp_path, REPO)
     port = free_port()
     cmds = [[sys.executable, '-m', 'torch.distributed.run', '--nnodes', str(NODES),
              '--node_rank', str(node), '--nproc-per-node', str(PROCS_PER_NODE),

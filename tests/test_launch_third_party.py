@@ -11,7 +11,6 @@ by ``python -m mmfsdp.plan``. A second project with its own registry and
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +18,8 @@ from typing import List
 
 import pytest
 
-from harness import free_port
+from harness import REPO, free_port, job_env, run_job
 
-REPO = Path(__file__).resolve().parents[1]
-JOB_TIMEOUT_S = 240
-LAUNCHER_VARS = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',
-                 'MASTER_PORT', 'PORT')
 TRAIN_LOSS = re.compile(r'Iter\(train\) \[\s*(\d+)/\d+\].*?\bloss: ([0-9.]+)')
 
 #: An OpenMMLab-style train script (mmpretrain's ``--amp`` handling), plus the
@@ -74,27 +69,9 @@ SHORT = ['train_cfg.max_iters=4', 'train_cfg.val_interval=4', 'default_hooks.log
          'train_dataloader.dataset.max_chars=200000', 'val_dataloader.dataset.max_chars=200000']
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env['OMP_NUM_THREADS'] = '1'
-    env['PYTHONPATH'] = os.pathsep.join(
-        [str(REPO)] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else []))
-    return env
-
-
 def _run(cmd: List[str], cwd: Path, env: dict = None, merge_stderr: bool = True) -> str:
-    """Run ``cmd`` in its own session; return its output, or fail with it."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s; output:\n{out[-6000:]}')
-    assert proc.returncode == 0, f'{cmd} exited with {proc.returncode}; output:\n{out[-6000:]}'
-    return out
+    """Run ``cmd`` in ``cwd`` with this repository importable; return its output, or fail."""
+    return run_job(cmd, env=env or job_env(REPO), cwd=cwd, merge_stderr=merge_stderr)
 
 
 @pytest.fixture(scope='module')
@@ -218,8 +195,7 @@ def test_plan_cli_finds_unprefixed_names_in_the_default_scope(tmp_path, config, 
     (tmp_path / 'tinyproj' / 'registry.py').write_text(TINY_REGISTRY)
     (tmp_path / 'tinyproj' / 'models.py').write_text(TINY_MODELS)
     (tmp_path / config).write_text(SCOPED_CONFIGS[config])
-    env = _env()
-    env['PYTHONPATH'] += os.pathsep + str(tmp_path)
+    env = job_env(REPO, tmp_path)
     out = _run([sys.executable, '-m', 'mmfsdp.plan', config, '--world-size', '2',
                 '--format', 'json'], tmp_path, env, merge_stderr=False)
     (plan,) = json.loads(out)
@@ -233,7 +209,7 @@ def test_our_config_loader_hides_mmengines_pkg_resources_warning_only(tmp_path):
         FSDP1_CONFIG + "custom_imports = dict(imports=['usermod'])\n")
     load = ('import mmfsdp\nfrom mmfsdp.config import load_config\n'
             "load_config('experiment.py')\n")
-    done = subprocess.run([sys.executable, '-c', load], cwd=tmp_path, env=_env(),
+    done = subprocess.run([sys.executable, '-c', load], cwd=tmp_path, env=job_env(REPO),
                           capture_output=True, text=True, timeout=120, check=True)
     assert 'the user warns' in done.stderr  # imported while the config loads
     assert 'pkg_resources' not in done.stderr

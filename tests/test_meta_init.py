@@ -19,7 +19,7 @@ from mmengine.model import BaseModel, BaseModule
 from mmengine.registry import MODELS
 from torch import nn
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed
 from toy import runner_config
 
 FS = 'mmfsdp.MMFullyShard'
@@ -251,19 +251,13 @@ def runs(tmp_path_factory) -> list:
     return run_distributed(_two_ranks, 2, root, timeout=400)
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    return max((((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0)
-                for k in a), default=0.0)
-
-
 # ---------------------------------------------------------------- distributed checks
 
 @pytest.mark.parametrize('wrapper', list(WRAPPERS))
 def test_meta_init_equals_eager_when_init_is_deterministic(runs, wrapper):
     meta, eager = runs[0][f'{wrapper}/meta'], runs[0][f'{wrapper}/None']
-    assert _max_diff(meta['state'], eager['state']) == 0
-    assert _max_diff(meta['buffers'], eager['buffers']) == 0
+    assert max_abs_diff(meta['state'], eager['state']) == 0
+    assert max_abs_diff(meta['buffers'], eager['buffers']) == 0
     state = meta['state']
     assert torch.equal(state['cls_token'], torch.zeros(1, 1, DIM))
     assert torch.equal(state['bias'], torch.full((DIM, ), 0.5))
@@ -277,8 +271,8 @@ def test_meta_init_equals_eager_when_init_is_deterministic(runs, wrapper):
 @pytest.mark.parametrize('wrapper', list(WRAPPERS))
 def test_meta_init_with_load_from_equals_eager_with_load_from(runs, wrapper):
     meta, eager = runs[0][f'{wrapper}/meta/load_from'], runs[0][f'{wrapper}/None/load_from']
-    assert _max_diff(meta['state'], eager['state']) == 0
-    assert _max_diff(meta['buffers'], eager['buffers']) == 0
+    assert max_abs_diff(meta['state'], eager['state']) == 0
+    assert max_abs_diff(meta['buffers'], eager['buffers']) == 0
     assert torch.equal(meta['buffers']['position_ids'], torch.arange(5))  # not in checkpoints
 
 
@@ -295,7 +289,7 @@ def test_unwritten_tensor_is_the_same_error_on_every_rank(runs):
 def test_pretrained_init_cfg_under_meta_init_loads_the_pretrained_weights(runs, wrapper):
     state, pretrained = runs[0][f'{wrapper}/pretrained']['state'], runs[0]['pretrained']
     backbone = {k: v for k, v in state.items() if k.startswith('backbone.')}
-    assert _max_diff(backbone, {k: v for k, v in pretrained.items()
+    assert max_abs_diff(backbone, {k: v for k, v in pretrained.items()
                                 if k.startswith('backbone.')}) == 0
     assert torch.equal(state['head.weight'], torch.full((3, DIM), 0.25))
 
@@ -310,10 +304,10 @@ def test_init_cfg_type_unknown_on_shards_fails_at_wrap_time(runs):
 def test_hugging_face_gpt2_meta_init_with_load_from_equals_eager(runs):
     meta, eager = runs[0]['gpt2/meta'], runs[0]['gpt2/None']
     assert meta['tied'] and eager['tied']
-    assert _max_diff(meta['state'], eager['state']) == 0
-    assert _max_diff(meta['buffers'], eager['buffers']) == 0
+    assert max_abs_diff(meta['state'], eager['state']) == 0
+    assert max_abs_diff(meta['buffers'], eager['buffers']) == 0
     checkpoint = runs[0]['gpt2 checkpoint']
-    assert _max_diff({k: meta['state'][k] for k in checkpoint}, checkpoint) == 0
+    assert max_abs_diff({k: meta['state'][k] for k in checkpoint}, checkpoint) == 0
 
 
 # ---------------------------------------------------------------- one process

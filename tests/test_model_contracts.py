@@ -14,16 +14,12 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import run_distributed
-from toy import runner_config
+from harness import max_abs_diff, run_distributed, scalar_history
+from toy import DDP, WRAPPERS, runner_config, train_one_process
 
 TOL = 2e-5
 PER_RANK_BATCH, WORLD_SIZE = 4, 2
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
-FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
-FSDP2 = dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS)
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
-WRAPPERS = dict(fsdp1=FSDP1, fsdp2=FSDP2, ddp=DDP)
 
 ADAMW = dict(optimizer=dict(type='AdamW', lr=1e-2, weight_decay=0.0))
 CLIP = dict(optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=0.05))
@@ -54,12 +50,6 @@ def _config(name: str, root: str, model: dict, optim_wrapper: dict, **kwargs) ->
                         optim_wrapper=copy.deepcopy(optim_wrapper), **kwargs)
     cfg['model'] = copy.deepcopy(model)
     return cfg
-
-
-def _history(runner, key: str) -> list:
-    if not runner.message_hub.log_scalars.get(key):
-        return []
-    return [float(v) for v in runner.message_hub.get_scalar(key).data[0]]
 
 
 def _full_state(model) -> dict:
@@ -132,7 +122,7 @@ def _run_all(root: str) -> dict:
         runner = FSDPRunner.from_cfg(cfg)
         runner.train()
         results[name] = dict(state=_full_state(runner.model),
-                             grad_norm=_history(runner, 'train/grad_norm'),
+                             grad_norm=scalar_history(runner, 'train/grad_norm'),
                              wrapper=type(runner.model).__name__,
                              find_unused=getattr(runner.model, 'find_unused_parameters', None),
                              cfg_after=cfg.model_wrapper_cfg.to_dict())
@@ -203,21 +193,10 @@ def reference(tmp_path_factory):
         if key not in cache:
             cfg = _config(f'ref{len(cache)}', str(root), model, optim, launcher='none',
                           batch_size=PER_RANK_BATCH * WORLD_SIZE, val=val)
-            runner = Runner.from_cfg(Config(cfg))
-            runner.train()
-            cache[key] = dict(state={k: v.detach().clone() for k, v in
-                                     runner.model.state_dict().items()},
-                              grad_norm=_history(runner, 'train/grad_norm'),
-                              val=runner.val() if val else None,
-                              test=runner.test() if val else None)
+            cache[key] = train_one_process(cfg, val)
         return cache[key]
 
     return run
-
-
-def _max_abs_diff(state: dict, ref_state: dict) -> float:
-    assert sorted(state) == sorted(ref_state)
-    return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
 
 
 @pytest.mark.parametrize('wrapper', list(WRAPPERS))
@@ -225,7 +204,7 @@ def test_frozen_backbone_clipping_equals_one_process(wrapper, distributed, refer
     """Every rank joins the global norm, even one whose shard has no gradient."""
     model, _, optim = SCENARIOS[f'frozen_backbone_clip/{wrapper}']
     got, ref = distributed[f'frozen_backbone_clip/{wrapper}'], reference(model, optim)
-    diff = _max_abs_diff(got['state'], ref['state'])
+    diff = max_abs_diff(got['state'], ref['state'])
     print(f'{wrapper}: max abs diff {diff:.2e}')
     assert diff <= TOL
     assert got['grad_norm'] == pytest.approx(ref['grad_norm'], rel=1e-4)
@@ -238,21 +217,21 @@ def test_wrapper_config_without_type_is_mmfsdp_ddp(distributed, reference):
     assert got['wrapper'] == 'MMDistributedDataParallel'
     assert got['find_unused'] is True
     assert got['cfg_after'] == dict(find_unused_parameters=True)  # the user's config untouched
-    assert _max_abs_diff(got['state'], reference(model, optim)['state']) <= TOL
+    assert max_abs_diff(got['state'], reference(model, optim)['state']) <= TOL
 
 
 @pytest.mark.parametrize('wrapper', list(NAMED_CHECKPOINTS))
 def test_child_named_module_trains_equal_to_one_process(wrapper, distributed, reference):
     got = distributed[f'named/{wrapper}']['state']
     assert {'module.weight', 'neck.module.weight'} <= set(got)
-    assert _max_abs_diff(got, reference(NAMED, NAMED_OPTIM)['state']) <= TOL
+    assert max_abs_diff(got, reference(NAMED, NAMED_OPTIM)['state']) <= TOL
 
 
 @pytest.mark.parametrize('wrapper', list(NAMED_CHECKPOINTS))
 def test_child_named_module_resumes_exactly(wrapper, distributed):
     resumed = distributed[f'named/{wrapper}/resumed']
     assert resumed['iter'] == TOTAL
-    assert _max_abs_diff(resumed['state'], distributed[f'named/{wrapper}']['state']) <= 1e-6
+    assert max_abs_diff(resumed['state'], distributed[f'named/{wrapper}']['state']) <= 1e-6
 
 
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
@@ -261,14 +240,14 @@ def test_child_named_module_reshards_to_one_process(wrapper, distributed, tmp_pa
     root = str(distributed['root'])
     got = _train_named(str(tmp_path_factory.mktemp('one')), f'{wrapper}-at1', None, 1,
                        'full', resume_from=f'{root}/named-{wrapper}/iter_{HALF}.pth')
-    assert _max_abs_diff(got['state'], distributed[f'named/{wrapper}']['state']) <= TOL
+    assert max_abs_diff(got['state'], distributed[f'named/{wrapper}']['state']) <= TOL
 
 
 @pytest.mark.parametrize('wrapper', list(GAN_WRAPPERS))
 def test_gan_with_own_train_step_equals_one_process(wrapper, distributed, reference):
     """Own train_step, two optimizers from a constructor, each clipping its own parameters."""
     got = distributed[f'gan/{wrapper}']
-    diff = _max_abs_diff(got['state'], reference(GAN, GAN_OPTIM, val=True)['state'])
+    diff = max_abs_diff(got['state'], reference(GAN, GAN_OPTIM, val=True)['state'])
     print(f'gan/{wrapper} ({got["wrapper"]}): max abs diff {diff:.2e}')
     assert diff <= TOL
 

@@ -15,27 +15,21 @@ a run with every built-in mmengine scheduler, a ``dataset_meta`` holding numpy
 arrays and an AMP loss scaler saves both types; each file loads with plain
 ``torch.load(weights_only=True)`` and resumes exactly.
 """
+import functools
 import os
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import DATASETS, HOOKS, PARAM_SCHEDULERS
 
-from harness import run_distributed
+from harness import max_abs_diff, run_distributed
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import META_FILE
-from toy import ToyDataset, runner_config
+from toy import FSDP1, FSDP2, WRAPPERS, ToyDataset, checkpointing_config, runner_config
 
-FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-FSDP2 = dict(type='mmfsdp.MMFullyShard',
-             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
-DDP = dict(type='mmfsdp.MMDistributedDataParallel')
-WRAPPERS = {'fsdp1': FSDP1, 'fsdp2': FSDP2, 'ddp': DDP}
 TYPES = ('full', 'sharded')
 GLOBAL_BATCH, HALF, TOTAL = 8, 3, 6
 SGD = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0))
@@ -69,18 +63,9 @@ class SaveBeforeFirstStepHook(Hook):
                                by_epoch=False, state_dict_type=self.state_dict_type)
 
 
-def _config(work_dir: str, wrapper, world_size: int, optim_wrapper: dict, *,
-            state_dict_type: str = 'full', resume_from: str = None, **extra) -> Config:
-    cfg = runner_config(os.path.basename(work_dir), work_dir, wrapper=wrapper,
-                        batch_size=GLOBAL_BATCH // world_size, max_iters=TOTAL,
-                        launcher='pytorch' if world_size > 1 else 'none',
-                        optim_wrapper=optim_wrapper)
-    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=HALF,
-                                              by_epoch=False, state_dict_type=state_dict_type)
-    if resume_from is not None:
-        cfg.update(load_from=resume_from, resume=True)
-    cfg.update(extra)
-    return Config(cfg)
+#: Saves at iteration ``HALF`` of ``TOTAL``; the global batch is the same at every world size.
+_config = functools.partial(checkpointing_config, global_batch=GLOBAL_BATCH, max_iters=TOTAL,
+                            interval=HALF)
 
 
 def _train(work_dir: str, wrapper, world_size: int, optim_wrapper: dict, **kwargs) -> dict:
@@ -143,19 +128,11 @@ def runs(tmp_path_factory) -> dict:
         return run_distributed(_two_ranks, 2, root, timeout=600)[0]
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    diffs = [_max_diff(a[k], b[k]) if isinstance(a[k], dict) else
-             (a[k].float() - b[k].float()).abs().max().item()
-             if isinstance(a[k], torch.Tensor) else float(a[k] != b[k]) for k in a]
-    return max(diffs, default=0.0)
-
-
 def _assert_equal_training(got: dict, expected: dict) -> None:
     assert got['iter'] == expected['iter'] == TOTAL
     assert got['lr'] == expected['lr']  # lr and base_lr of every group
-    model_diff = _max_diff(got['model'], expected['model'])
-    optim_diff = _max_diff(got['optimizer'], expected['optimizer'])
+    model_diff = max_abs_diff(got['model'], expected['model'])
+    optim_diff = max_abs_diff(got['optimizer'], expected['optimizer'])
     print(f'max abs diff: weights {model_diff:.1e}, optimizer state {optim_diff:.1e}')
     assert model_diff == 0 and optim_diff == 0
 
@@ -205,7 +182,7 @@ def test_published_keys_publish_both_formats(runs, kind):
         assert published[0].endswith('.pth') and len(published[0]) == len(stem) + 13
     last = [n for n in got['files'] if n.startswith(f'iter_{TOTAL}-')][0]
     state = torch.load(os.path.join(work_dir, last), weights_only=True)['state_dict']
-    assert _max_diff(state, got['model']) == 0
+    assert max_abs_diff(state, got['model']) == 0
 
 
 # ---- every scheduler, numpy dataset_meta, AMP scaler: in this process ----

@@ -22,7 +22,7 @@ from mmengine.runner import Runner
 from torch import nn
 
 import mmfsdp
-from harness import run_distributed
+from harness import raised, run_distributed
 from mmfsdp import (
     AmpOptimWrapper,
     MMDistributedDataParallel,
@@ -148,14 +148,6 @@ class _Scaled(ToyClassifier):
         self.scale = nn.Parameter(torch.ones(1))
 
 
-def _error(fn) -> tuple:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
-        return type(e).__name__, str(e)
-    return None, None
-
-
 def _runner_checks(work_root: str, out: dict) -> None:
     from mmengine.runner import FlexibleRunner
 
@@ -168,16 +160,16 @@ def _runner_checks(work_root: str, out: dict) -> None:
         return Config(cfg)
 
     runner = FSDPRunner.from_cfg(config('documented'))
-    out['documented'] = _error(runner.train) + (type(runner.model).__name__, )
+    out['documented'] = raised(runner.train) + (type(runner.model).__name__, )
     for name, order in (('load first', _LoadFirst), ('init last', _InitLast)):
         runner_cls = type(f'Reordered{order.__name__}', (FSDPRunner, order), {})
         runner = runner_cls.from_cfg(config(name.replace(' ', '_')))
-        out[name] = _error(runner.train) + (type(runner.model).__name__, )
+        out[name] = raised(runner.train) + (type(runner.model).__name__, )
     for wrapper in ('mmfsdp.MMFullyShard', FSDP):
         cfg = runner_config('flexible', f'{work_root}/flexible', batch_size=4, max_iters=1)
         cfg['strategy'] = dict(type='DDPStrategy', model_wrapper=dict(type=wrapper))
         cfg = Config(cfg)
-        out[f'flexible {wrapper}'] = _error(lambda c=cfg: FlexibleRunner.from_cfg(c).train())
+        out[f'flexible {wrapper}'] = raised(lambda c=cfg: FlexibleRunner.from_cfg(c).train())
 
 
 def _ddp_clip(out: dict) -> None:

@@ -3,23 +3,35 @@
 ``init_weights`` depends on parameter shapes, so it is observable whether it
 ran on full tensors or on shards. The dataset draws from its own generator,
 never from torch's global RNG. :func:`runner_config` builds the mmengine config
-that every equivalence test varies.
+that every equivalence test varies, :func:`checkpointing_config` the one of
+the save-and-resume tests.
 """
 import copy
 import math
+import os
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from mmengine.config import Config
 from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, METRICS, MODELS
+from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import Dataset
 
-from harness import DIST_CFG
+from harness import DIST_CFG, scalar_history
 
 IN_DIM, NUM_CLASSES = 6, 3
+#: ``model_wrapper_cfg`` of the toy model under each wrapper; the sharded ones
+#: make every ``ToyBlock`` a unit. Tests derive variants with ``dict(FSDP1, ...)``.
+FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel',
+             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+FSDP2 = dict(type='mmfsdp.MMFullyShard',
+             auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+DDP = dict(type='mmfsdp.MMDistributedDataParallel')
+WRAPPERS = {'fsdp1': FSDP1, 'fsdp2': FSDP2, 'ddp': DDP}
 
 
 class ToyBlock(nn.Module):
@@ -127,6 +139,44 @@ def runner_config(name: str, work_dir: str, *, batch_size: int, max_iters: int =
     if wrapper is not None:
         cfg.update(runner_type='mmfsdp.FSDPRunner', model_wrapper_cfg=wrapper)
     return copy.deepcopy(cfg)
+
+
+def train_one_process(cfg: dict, val: bool = False) -> Dict[str, Any]:
+    """Train ``cfg`` with mmengine's stock Runner in this process: the reference of a check.
+
+    Returns the runner, its final weights (cloned), the gradient norms it
+    logged, and with ``val`` what ``runner.val()`` and ``runner.test()`` return
+    (``None`` without).
+    """
+    runner = Runner.from_cfg(Config(cfg))
+    runner.train()
+    return dict(runner=runner,
+                state={k: v.detach().clone() for k, v in runner.model.state_dict().items()},
+                grad_norm=scalar_history(runner, 'train/grad_norm'),
+                val=runner.val() if val else None, test=runner.test() if val else None)
+
+
+def checkpointing_config(work_dir: str, wrapper: dict, world_size: int,
+                         optim_wrapper: Optional[dict] = None, *, global_batch: int,
+                         max_iters: int, interval: int, state_dict_type: str = 'full',
+                         resume_from: Optional[str] = None, **extra: Any) -> Config:
+    """One toy run on ``world_size`` ranks that saves every ``interval`` iterations.
+
+    The global batch stays ``global_batch`` whatever the world size, so runs at
+    different sizes see the same samples per step; one rank runs without a
+    launcher. ``resume_from`` resumes (``load_from`` + ``resume=True``);
+    ``extra`` is set on the config last.
+    """
+    cfg = runner_config(os.path.basename(work_dir), work_dir, wrapper=wrapper,
+                        batch_size=global_batch // world_size, max_iters=max_iters,
+                        launcher='pytorch' if world_size > 1 else 'none',
+                        optim_wrapper=optim_wrapper)
+    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=interval,
+                                              by_epoch=False, state_dict_type=state_dict_type)
+    if resume_from is not None:
+        cfg.update(load_from=resume_from, resume=True)
+    cfg.update(extra)
+    return Config(cfg)
 
 
 def saved_activation_bytes(wrapper_cls: type, checkpoint: bool) -> int:

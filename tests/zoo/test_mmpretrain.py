@@ -19,10 +19,7 @@ Needs ``pip install mmpretrain==1.2.0 mmcv-lite==2.2.0`` and a torchvision
 that imports beside the installed torch; skipped, with the reason, otherwise.
 Marked ``zoo``: excluded from the default run, select it with ``-m zoo``.
 """
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import List
@@ -30,7 +27,7 @@ from typing import List
 import pytest
 import torch
 
-from harness import free_port
+from harness import REPO, free_port, job_env, run_job
 
 pytestmark = pytest.mark.zoo
 
@@ -51,7 +48,6 @@ def _import_zoo():
 
 
 TOOLS = _import_zoo()
-REPO = Path(__file__).resolve().parents[2]
 TOL = 2e-5
 JOB_TIMEOUT_S = 900
 IMAGES_PER_CLASS, SIZE, GLOBAL_BATCH = 16, 32, 8
@@ -131,19 +127,8 @@ def _mmfsdp_additions(wrapper: str, layer_cls: List[str]) -> str:
 
 
 def _run(cmd: List[str]) -> str:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}
-    env.update(OMP_NUM_THREADS='1', PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f'{cmd} still running after {JOB_TIMEOUT_S} s:\n{out[-6000:]}')
-    assert proc.returncode == 0, f'{cmd} failed:\n{out[-6000:]}'
-    return out
+    """Run ``cmd`` from the repository root, mmfsdp importable; its output, or fail."""
+    return run_job(cmd, env=job_env(REPO), timeout=JOB_TIMEOUT_S)
 
 
 def _torchrun(script: str, *args: str) -> List[str]:
