@@ -163,13 +163,19 @@ def _run_tta_and_names(root: str) -> dict:
     return results if torch.distributed.get_rank() == 0 else None
 
 
+def _run_everything(root: str) -> dict:
+    results = _run_all(root)
+    tta_and_names = _run_tta_and_names(root)
+    return dict(results, **tta_and_names) if torch.distributed.get_rank() == 0 else None
+
+
 @pytest.fixture(scope='module')
 def distributed(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp('dist'))
     _train_tta_checkpoint(f'{root}/tta.pth')
-    results = run_distributed(_run_all, WORLD_SIZE, root)[0]
-    results.update(run_distributed(_run_tta_and_names, WORLD_SIZE, root)[0])
-    return dict(results, root=root)
+    # One process group for both halves (starting one costs more than most checks); the
+    # deadline is two groups' 240 s, as the whole once overran 240 s under load.
+    return dict(run_distributed(_run_everything, WORLD_SIZE, root, timeout=480)[0], root=root)
 
 
 def _train_tta_checkpoint(path: str) -> None:
