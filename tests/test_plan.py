@@ -142,13 +142,16 @@ def test_a_plan_with_too_many_units_warns():
 
 @pytest.mark.parametrize('config', sorted(
     f for f in os.listdir(os.path.join(REPO, 'configs')) if f.endswith('.py')))
-def test_dry_run_prints_the_plan_of_every_example_config(config):
+def test_dry_run_prints_the_plan_of_every_example_config(config, capsys, monkeypatch):
+    # The CLI's main in this process (no interpreter start-up per config); the tests
+    # below run it as `python -m mmfsdp.plan`.
+    from mmfsdp.plan.__main__ import main
+    monkeypatch.chdir(REPO)
     # a fixed replicate x shard mesh fits one world size only
     sizes = ['4'] if 'hsdp_2x2' in config else ['1', '8', '64']
-    out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', f'configs/{config}',
-                          '--world-size', *sizes, '--format', 'json'],
-                         cwd=REPO, check=True, capture_output=True, text=True).stdout
-    plans = json.loads(out)
+    capsys.readouterr()
+    main([f'configs/{config}', '--world-size', *sizes, '--format', 'json'])
+    plans = json.loads(capsys.readouterr().out)
     assert [p['world_size'] for p in plans] == [int(n) for n in sizes]
     for plan in plans:
         assert {'model_state_bytes_per_rank', 'peak_bytes_per_rank_estimate', 'units'} <= set(plan)
