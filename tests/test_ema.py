@@ -22,7 +22,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import COLLECTIVE_TIMEOUT_S, run_distributed
+from harness import COLLECTIVE_TIMEOUT_S, max_abs_diff, run_distributed
 from toy import DDP, FSDP1, FSDP2, WRAPPERS, ToyClassifier, runner_config
 
 TOL = 2e-5
@@ -164,24 +164,19 @@ def reference(root) -> dict:
     return out
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize('wrapper', list(WRAPPERS))
 def test_every_ema_type_averages_like_one_process(runs, reference, wrapper):
     got = runs[f'types/{wrapper}']
     assert sorted(got['ema']) == sorted(EMA_HOOKS)
     assert got['steps'] == [TOTAL] * len(EMA_HOOKS)
     for ema_type, expected in reference['types'].items():
-        diff = _max_diff(got['ema'][ema_type], expected)
+        diff = max_abs_diff(got['ema'][ema_type], expected)
         print(f'{wrapper} {ema_type}: max abs diff {diff:.1e}')
         assert diff <= TOL, ema_type
     # the three types really differ, so each was checked against its own maths
     ema = got['ema']
-    assert _max_diff(ema['ExponentialMovingAverage'], ema['StochasticWeightAverage']) > 1e-3
-    assert _max_diff(ema['ExponentialMovingAverage'], ema['MomentumAnnealingEMA']) > 1e-3
+    assert max_abs_diff(ema['ExponentialMovingAverage'], ema['StochasticWeightAverage']) > 1e-3
+    assert max_abs_diff(ema['ExponentialMovingAverage'], ema['MomentumAnnealingEMA']) > 1e-3
 
 
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
@@ -214,23 +209,23 @@ def test_plan_without_ema_reports_none():
 @pytest.mark.parametrize('run', [f'{w}-{k}' for w, k in CHECKPOINT_RUNS])
 def test_training_and_validation_with_ema_equal_one_process(runs, reference, run):
     got = runs[run]
-    diffs = (_max_diff(got['model'], reference['model']),
-             _max_diff(got['ema']['ExponentialMovingAverage'], reference['ema']))
+    diffs = (max_abs_diff(got['model'], reference['model']),
+             max_abs_diff(got['ema']['ExponentialMovingAverage'], reference['ema']))
     print(f'{run}: max abs diff weights {diffs[0]:.1e}, averaged weights {diffs[1]:.1e}; '
           f'val nll {got["val_nll"]:.6f} vs {reference["val_nll"]:.6f}')
     assert max(diffs) <= TOL
     assert got['val_nll'] == pytest.approx(reference['val_nll'], abs=TOL)
     # the metric is the averaged model's: the trained weights give another one
-    assert _max_diff(got['model'], reference['ema']) > 1e-3
+    assert max_abs_diff(got['model'], reference['ema']) > 1e-3
 
 
 @pytest.mark.parametrize('run', [f'{w}-{k}' for w, k in CHECKPOINT_RUNS])
 def test_resume_continues_the_average_exactly(runs, run):
     got, expected = runs[f'resumed/{run}'], runs[run]
     assert got['iter'] == expected['iter'] == TOTAL and got['steps'] == expected['steps']
-    ema_diff = _max_diff(got['ema']['ExponentialMovingAverage'],
-                         expected['ema']['ExponentialMovingAverage'])
-    model_diff = _max_diff(got['model'], expected['model'])
+    ema_diff = max_abs_diff(got['ema']['ExponentialMovingAverage'],
+                            expected['ema']['ExponentialMovingAverage'])
+    model_diff = max_abs_diff(got['model'], expected['model'])
     print(f'{run}: resumed vs uninterrupted max abs diff: averaged {ema_diff}, '
           f'trained {model_diff}')
     assert ema_diff == 0 and model_diff == 0
@@ -246,9 +241,9 @@ def test_full_checkpoint_has_the_stock_hooks_format(runs, reference, root, run):
     assert int(ours['ema_state_dict']['steps']) == int(stock['ema_state_dict']['steps'])
     # state_dict holds the averaged weights, ema_state_dict the trained ones
     trained = {k[len('module.'):]: v for k, v in ours['ema_state_dict'].items() if k != 'steps'}
-    assert _max_diff(ours['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
-    assert _max_diff(trained, runs[run]['model']) == 0
-    assert _max_diff(ours['state_dict'], stock['state_dict']) <= TOL
+    assert max_abs_diff(ours['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert max_abs_diff(trained, runs[run]['model']) == 0
+    assert max_abs_diff(ours['state_dict'], stock['state_dict']) <= TOL
 
 
 @pytest.mark.parametrize('run', ['fsdp1-full', 'fsdp2-full'])
@@ -257,12 +252,12 @@ def test_plain_model_loads_either_weights_of_a_full_checkpoint(runs, root, run):
     path = f'{root}/{run}/iter_{TOTAL}.pth'
     averaged = ToyClassifier()
     load_checkpoint(averaged, path, strict=True)
-    assert _max_diff(averaged.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert max_abs_diff(averaged.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
     trained = ToyClassifier()
     ema_state = torch.load(path)['ema_state_dict']
     trained.load_state_dict({k[len('module.'):]: v for k, v in ema_state.items()
                              if k != 'steps'}, strict=True)
-    assert _max_diff(trained.state_dict(), runs[run]['model']) == 0
+    assert max_abs_diff(trained.state_dict(), runs[run]['model']) == 0
 
 
 @pytest.mark.parametrize('run', ['fsdp1-sharded', 'fsdp2-sharded', 'ddp-sharded'])
@@ -273,8 +268,8 @@ def test_sharded_checkpoint_consolidates_to_the_full_format(runs, root, run, tmp
     full = torch.load(dst)  # weights_only=True
     assert int(full['ema_state_dict']['steps']) == TOTAL
     trained = {k[len('module.'):]: v for k, v in full['ema_state_dict'].items() if k != 'steps'}
-    assert _max_diff(full['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
-    assert _max_diff(trained, runs[run]['model']) == 0
+    assert max_abs_diff(full['state_dict'], runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert max_abs_diff(trained, runs[run]['model']) == 0
 
 
 def test_sharded_checkpoint_from_2_ranks_resumes_the_average_in_one_process(runs, root):
@@ -285,8 +280,8 @@ def test_sharded_checkpoint_from_2_ranks_resumes_the_average_in_one_process(runs
         state_dict_type='sharded', resume_from=f'{root}/{run}/iter_{HALF}.pth'))
     runner.train()
     got, expected = _result(runner), runs[run]
-    ema_diff = _max_diff(got['ema']['ExponentialMovingAverage'],
-                         expected['ema']['ExponentialMovingAverage'])
+    ema_diff = max_abs_diff(got['ema']['ExponentialMovingAverage'],
+                            expected['ema']['ExponentialMovingAverage'])
     print(f'2 ranks -> 1 process: averaged weights max abs diff {ema_diff:.1e}')
     assert got['steps'] == expected['steps'] and ema_diff <= TOL
 
@@ -298,16 +293,17 @@ def test_load_from_a_sharded_checkpoint_loads_the_averaged_weights(runs, root):
                                          world_size=1, launcher='none'))
     runner.load_checkpoint(f'{root}/{run}/iter_{TOTAL}.pth')
     # as with a full file, whose state_dict holds the averaged weights
-    assert _max_diff(runner.model.state_dict(), runs[run]['ema']['ExponentialMovingAverage']) == 0
+    assert max_abs_diff(runner.model.state_dict(),
+                        runs[run]['ema']['ExponentialMovingAverage']) == 0
 
 
 @pytest.mark.parametrize('run', ['fsdp1-shard_grad_op', 'fsdp2-no_reshard'])
 def test_average_of_units_kept_gathered_through_accumulation_equals_ddp(runs, run):
     # EMAHook updates every micro-step, as mmengine's does: DDP is the reference here
     got, expected = runs[f'accumulate/{run}'], runs['accumulate/ddp']
-    diffs = (_max_diff(got['model'], expected['model']),
-             _max_diff(got['ema']['ExponentialMovingAverage'],
-                       expected['ema']['ExponentialMovingAverage']))
+    diffs = (max_abs_diff(got['model'], expected['model']),
+             max_abs_diff(got['ema']['ExponentialMovingAverage'],
+                          expected['ema']['ExponentialMovingAverage']))
     print(f'{run}, accumulative_counts=2: max abs diff vs DDP: weights {diffs[0]:.1e}, '
           f'averaged {diffs[1]:.1e}')
     assert max(diffs) <= TOL and got['steps'] == [TOTAL]
@@ -317,8 +313,8 @@ def test_average_of_units_kept_gathered_through_accumulation_equals_ddp(runs, ru
 def test_stock_hooks_and_mmengine_activation_checkpointing_train_like_one_process(
         runs, reference, wrapper):
     got, expected = runs[f'stock/{wrapper}'], reference['stock']
-    diffs = (_max_diff(got['model'], expected['model']),
-             _max_diff(got['ema']['ExponentialMovingAverage'], expected['ema']))
+    diffs = (max_abs_diff(got['model'], expected['model']),
+             max_abs_diff(got['ema']['ExponentialMovingAverage'], expected['ema']))
     print(f'{wrapper} with {[h["type"] for h in STOCK_HOOKS]} and {STOCK_CONFIG}: max abs diff '
           f'weights {diffs[0]:.1e}, averaged {diffs[1]:.1e}')
     assert max(diffs) <= TOL and got['iter'] == TOTAL
