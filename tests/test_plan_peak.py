@@ -94,17 +94,24 @@ def test_cpu_heap_activations_stay_resident_beside_the_gradients():
     cpu = step_peak(plan, trace, 8, heap_threshold=2**20)
     grads = cpu.freed_grad_bytes
     assert device.heap_activation_bytes == 0 and cpu.heap_activation_bytes == below
+    # on the CPU, gloo stages a unit per collective: the larger of that and the traced rise
+    assert device.staging_bytes == 0 and device.transient_bytes == trace.transient_bytes
+    assert cpu.staging_bytes == plan.largest_unit.gathered_bytes > 0
+    assert cpu.transient_bytes == max(trace.transient_bytes, cpu.staging_bytes)
     # heap blocks make no room for the gradients: they count beside max(rest, gradients)
     assert cpu.total_bytes == (plan.model_state_bytes_per_rank - grads
                                + plan.gathered_in_flight_bytes + below
                                + max(trace.activation_bytes - below, grads)
-                               + trace.transient_bytes)
-    assert device.total_bytes <= cpu.total_bytes <= device.total_bytes + below
+                               + cpu.transient_bytes)
     # every activation on the heap: gradients and activations add up, as DDP's do
     everything = step_peak(plan, trace, 8, heap_threshold=2**40)
     assert everything.total_bytes == (plan.model_state_bytes_per_rank
                                       + plan.gathered_in_flight_bytes
-                                      + trace.activation_bytes + trace.transient_bytes)
+                                      + trace.activation_bytes + cpu.transient_bytes)
+    # one rank: nothing to all-gather or reduce-scatter, nothing staged
+    alone = plan_for(MMFullyShardedDataParallel, FSDP, _gpt(), 1, dict(type='AdamW'))
+    assert step_peak(alone, trace, 8, heap_threshold=2**20).staging_bytes == 0
+    # DDP: gradients and activations add up anyway, and an all-reduce stages nothing
     ddp = plan_for(MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel'),
                    _gpt(), 2, dict(type='AdamW'))
     assert (step_peak(ddp, trace, 8, heap_threshold=2**20).total_bytes
@@ -154,11 +161,13 @@ def test_what_ifs_change_batch_and_checkpointing(capsys, monkeypatch):
     assert step['peak_bytes'] == (step['model_state_bytes'] - grads + step['gathered_bytes']
                                   + heap + max(step['activation_bytes'] - heap, grads)
                                   + step['transient_bytes'])
-    on_gpu = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json', '--batch-size',
-                             '4', '--activation-checkpointing', 'on', '--device', 'cuda'))
-    assert on_gpu[0]['step']['heap_activation_bytes'] == 0
-    assert on_gpu[0]['step']['peak_bytes'] == step['peak_bytes'] - heap + (
-        max(step['activation_bytes'], grads) - max(step['activation_bytes'] - heap, grads))
+    assert step['transient_bytes'] == max(step['traced_transient_bytes'], step['staging_bytes'])
+    gpu = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json', '--batch-size',
+                          '4', '--activation-checkpointing', 'on', '--device', 'cuda'))[0]['step']
+    assert gpu['heap_activation_bytes'] == 0 and gpu['staging_bytes'] == 0
+    assert gpu['peak_bytes'] == (gpu['model_state_bytes'] - grads + gpu['gathered_bytes']
+                                 + max(gpu['activation_bytes'], grads)
+                                 + gpu['traced_transient_bytes'])
     default = json.loads(_cli(capsys, '--world-size', '2', '--format', 'json'))[0]['step']
     assert default['batch_size'] == 16 and default['activation_checkpointing'] == []
     assert default['activation_bytes'] > 4 * step['activation_bytes']

@@ -1,5 +1,8 @@
 """What a CPU host keeps resident beyond the live tensors: glibc's heap under the mmap threshold.
 
+(The other CPU term, gloo's staging copy of a unit in every all-gather and
+reduce-scatter, is :attr:`.step.StepPeak.staging_bytes`.)
+
 On an accelerator a step's peak is the most bytes alive at once
 (``max_memory_allocated``). On the CPU torch takes every tensor from glibc's
 ``malloc``: a block of at least the *mmap threshold* is mapped on its own and

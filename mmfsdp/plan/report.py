@@ -140,4 +140,8 @@ def format_step(step: StepPeak, max_units: int = 8) -> str:
         ([f'CPU heap: {_size(step.heap_activation_bytes)} of the activations are in blocks '
           f'below the mmap threshold ({_size(step.heap_threshold or 0)}) and stay resident '
           'after backward frees them: counted apart from that comparison']
-         if step.heap_activation_bytes and step.freed_grad_bytes else []))
+         if step.heap_activation_bytes and step.freed_grad_bytes else []) +
+        ([f'CPU: gloo stages a whole unit ({_size(step.staging_bytes)}) in every all-gather '
+          'and reduce-scatter; the largest transient is the larger of that and the traced '
+          f'rise in backward ({_size(step.trace.transient_bytes)})']
+         if step.staging_bytes else []))
