@@ -133,8 +133,10 @@ def _mib(b: float) -> str:
     return f'{b / 2**20:,.1f}'
 
 
-def _step(warmup: int) -> str:
-    return 'step 1 (AdamW state made at its end)' if warmup == 0 else f'step {warmup + 1}'
+def _step(warmup: int, steps: int = 1) -> str:
+    if warmup == 0:
+        return 'step 1 (AdamW state made at its end)'
+    return f'step {warmup + 1}' if steps == 1 else f'steps {warmup + 1}–{warmup + steps}'
 
 
 def table(results: List[Dict[str, Any]]) -> str:
@@ -144,26 +146,33 @@ def table(results: List[Dict[str, Any]]) -> str:
         return r['wrapper'], r['world_size'], r.get('warmup', 1)
 
     base = {key(r): r['peak_bytes']['median'] for r in results if r['counts'] == 1}
+    worst = {key(r): r['peak_bytes']['max'] for r in results if r['counts'] == 1}
     comm = {(key(r), r['counts'], r['mode']): r['comm_send_bytes']['median'] for r in results}
     lines = ['| wrapper | N | measured step | k | accumulation | peak MiB | peak / peak at k=1 '
-             '| comm MiB / step | theory MiB | comm / theory '
+             '| peak / k=1\'s highest step | comm MiB / step | theory MiB | comm / theory '
              '| (sharded − unsharded) / (k−1)(N−1)/N·P·b |',
-             '|---|---|---|---|---|---|---|---|---|---|---|']
+             '|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in sorted(results, key=lambda r: (*key(r), r['counts'], r['mode'])):
         n, k = r['world_size'], r['counts']
         ref = base.get(key(r))
         if not ref:
             continue
         peak, sent = r['peak_bytes']['median'], r['comm_send_bytes']['median']
+        if k == 1:
+            spread = (f"{_mib(r['peak_bytes']['min'])}–{_mib(r['peak_bytes']['max'])} "
+                      f"over {r['peak_bytes']['n']} steps" if r['peak_bytes']['n'] > 1 else '')
+        else:
+            spread = f'{peak / worst[key(r)]:.3f}'
         extra = ''
         other = comm.get((key(r), k, 'unsharded'))
         if r['mode'] == 'sharded' and k > 1 and other is not None:
             theory = (k - 1) * (n - 1) / n * r['params'] * BYTES_PER_ELEMENT
             extra = f'{(sent - other) / theory:.4f}'
         lines.append(
-            f"| {r['wrapper']} | {n} | {_step(r.get('warmup', 1))} | {k} | "
+            f"| {r['wrapper']} | {n} | {_step(r.get('warmup', 1), r['steps'])} | {k} | "
             f"{r['mode'] if k > 1 else '(either)'} | "
-            f"{_mib(peak)} | {peak / ref:.3f} | {_mib(sent)} | {_mib(r['theory_comm_bytes'])} | "
+            f"{_mib(peak)} | {peak / ref:.3f} | {spread} | {_mib(sent)} | "
+            f"{_mib(r['theory_comm_bytes'])} | "
             f"{sent / r['theory_comm_bytes']:.4f} | {extra} |")
     return '\n'.join(lines)
 

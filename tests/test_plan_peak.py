@@ -118,6 +118,25 @@ def test_cpu_heap_activations_stay_resident_beside_the_gradients():
             == step_peak(ddp, trace, 8).total_bytes)
 
 
+def test_accumulated_gradients_add_to_the_next_micro_steps_activations():
+    trace = _trace(batch_size=8)
+    model = _gpt()
+    for mode, grads_sharded in (('sharded', True), ('unsharded', False)):
+        wrapper = dict(FSDP, accumulation=mode)
+        one = plan_for(MMFullyShardedDataParallel, wrapper, model, 2, dict(type='AdamW'))
+        four = plan_for(MMFullyShardedDataParallel, wrapper, model, 2, dict(type='AdamW'),
+                        accumulative_counts=4)
+        assert step_peak(one, trace, 8).freed_grad_bytes > 0
+        step = step_peak(four, trace, 8, heap_threshold=2**20)
+        assert step.freed_grad_bytes == 0  # alive from micro-step 1's backward to the update
+        assert step.total_bytes == (four.model_state_bytes_per_rank
+                                    + four.gathered_in_flight_bytes + trace.activation_bytes
+                                    + step.transient_bytes)
+        shard = sum(u.grad_bytes for u in one.units)
+        assert sum(u.grad_bytes for u in four.units) == (shard if grads_sharded else
+                                                         sum(u.numel for u in four.units) * 4)
+
+
 def test_heap_threshold_follows_the_device_and_cpu_allocator():
     assert heap_threshold('cuda') is None
     assert heap_threshold('cpu') == 2**20  # mmfsdp's default policy, 'release'

@@ -66,6 +66,8 @@ class Plan:
     element_bytes: int = 4
     #: Bytes of ``EMAHook``'s averaged parameters on one rank (its own shards), or 0.
     ema_bytes_per_rank: int = 0
+    #: Micro-steps per optimizer step (``optim_wrapper.accumulative_counts``).
+    accumulative_counts: int = 1
 
     @property
     def model_state_bytes_per_rank(self) -> int:
@@ -190,4 +192,5 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
                 unsharded_bytes=total * elem * (2 + optimizer_states + int(ema)),
                 root_modules=root_modules, element_bytes=elem,
-                ema_bytes_per_rank=sum(u.param_bytes for u in units) if ema else 0)
+                ema_bytes_per_rank=sum(u.param_bytes for u in units) if ema else 0,
+                accumulative_counts=accumulative_counts)

@@ -80,8 +80,14 @@ class StepPeak:
 
     @property
     def freed_grad_bytes(self) -> int:
-        """Gradient bytes per rank that do not exist between steps (0: they stay allocated)."""
-        if not self.plan.spec.grads_freed_between_steps:
+        """Gradient bytes per rank that do not exist between steps (0: they stay allocated).
+
+        With gradient accumulation (``accumulative_counts > 1``) the gradients
+        (the shard, or the full gradients with ``accumulation='unsharded'``)
+        live from the first micro-step's backward to the optimizer step, so the
+        forwards of micro-steps 2..k add their activations to them.
+        """
+        if not self.plan.spec.grads_freed_between_steps or self.plan.accumulative_counts > 1:
             return 0
         return sum(u.grad_bytes for u in self.plan.units)
 
