@@ -98,15 +98,17 @@ with `MALLOC_MMAP_THRESHOLD_=1048576`, the threshold `FSDPRunner`'s default
 iterations (1 warm-up + 2 measured). "predicted" is `python -m mmfsdp.plan --device cpu`'s step
 peak for the same config, computed on the meta-device model without running it:
 
-    peak = model states (exact) + gathered units (2 x the largest unit's parameters + its
-           unsharded gradient; every unit when they stay gathered)
+    peak = model states (exact) - freed gradients
+         + gathered units (2 x the largest unit's parameters + its unsharded gradient;
+                           every unit when they stay gathered)
          + heap + max(activations - heap, freed gradients) + max(traced transient, staging)
 
 Activations are what is alive when a `FakeTensorMode` trace of one step (on a batch built from
 the config's dataset and collate function) ends its forward; the traced transient is how far its
 backward rises above them. FSDP1's and FSDP2's gradients are freed between steps (DDP's buckets
-stay), so backward's gradients take the place of the activations it frees: the larger of the two
-counts. Two terms are the CPU host's (`mmfsdp/plan/host.py`, `StepPeak.staging_bytes`):
+stay; with gradient accumulation none are freed), so backward's gradients take the place of the
+activations it frees: the larger of the two counts. Two terms are the CPU host's
+(`mmfsdp/plan/host.py`, `StepPeak.staging_bytes`):
 **heap** = the activations in blocks below the 1 MiB mmap threshold, which glibc serves from its
 heap and which stay resident after backward frees them, so they make no room for the gradients;
 **staging** = one largest unit, the copy gloo makes of every all-gather output and reduce-scatter
@@ -116,7 +118,12 @@ states + gathered + activations (heap part) + max(traced transient, staging).
 Activation checkpointing (AC) is `activation_checkpointing=dict(layer_cls=['TransformerBlock'])`;
 sequence length 64; fp32. Goal: |predicted - measured| <= 10 % of measured on every case."""
 
-CAVEAT = """**How the two CPU terms were found** (gpt-25m, batch 2, `benchmarks`' workload, a probe
+CAVEAT = """Measured on 2026-11-23 on the shared 2-core machine (memory does not depend on its
+load): 26 cases before 08:00 UTC (1-minute load average 12-28), 34 between 11:09 and 11:51 UTC
+(load 4-23), among them the two earlier misses, gpt-25m N = 2 batch 2 without AC (now 262.6 and
+266.6 MiB, then 264.4 and 262.9). Predictions: the current code for all 60 (`--repredict`).
+
+**How the two CPU terms were found** (gpt-25m, batch 2, `benchmarks`' workload, a probe
 hook reading the high-water mark between phases of the iteration, and torch's profiler with
 `profile_memory=True` for the live tensors):
 
@@ -131,16 +138,20 @@ hook reading the high-water mark between phases of the iteration, and torch's pr
   profiler showed four unit-sized buffers alive where the plan had counted three. With the 64 KiB
   threshold, the resident peak (161.9 MiB at N = 4) was within 1.4 MiB of the live tensors.
 
-With neither term the same measurements missed by up to 11.8 % (gpt-25m at batch 2, sharded:
-N = 2 -11.1 % and -10.6 %, N = 4 -10.6 % and -11.8 %), and gpt-7m showed a fixed 8-12 MiB.
+With neither term, gpt-25m at batch 2 sharded over N = 2 missed by -11.1 % and -10.6 % and
+gpt-7m showed a fixed 8-12 MiB; with the heap term alone, gpt-25m at batch 2 over N = 4 missed by
+-10.6 % and -11.8 %. With both, gpt-7m (`--quick`, 4 of its cases re-run, not in the table): FSDP1 N = 2 batch 2 +0.6 %,
+FSDP2 N = 2 batch 2 -2.8 %, FSDP2 N = 2 batch 8 -8.4 % (11 MiB still unexplained), FSDP1 N = 1
+batch 2 -5.9 %.
 
 What is still left out: the rest of the allocator. A resident-set peak counts pages, not
 tensors; glibc serves a request from free heap space left by earlier iterations before it maps new
 memory, so DDP at batch 8 peaks by up to 100 MiB differently in consecutive iterations of one
-process (435 and 533 MiB), which is why its median sits 9 % below the prediction. FSDP2 also keeps
-the previous unit's reduce-scatter input alive until the next unit reduces
-(`reduce_scatter_max_input_buffers=1`), seen in the profile and not counted; it is the likeliest
-reason FSDP2 at N = 4, batch 2 sits 8 % above the prediction. On an accelerator (`--device cuda`)
+process (435 and 533 MiB), which is why its median sits 9 % below the prediction. FSDP2 keeps each
+unit's reduce-scatter input (a flat copy of its gradient) alive until the next unit reduces
+(`reduce_scatter_max_input_buffers=1` in torch's `_fsdp_param_group.py`), which the plan counts
+only as that unit's unsharded gradient; a likely part of why FSDP2 at N = 4, batch 2 sits 8 %
+above the prediction (not profiled further). On an accelerator (`--device cuda`)
 neither CPU term applies and the prediction is compared with `max_memory_allocated` (not measured
 here)."""
 
