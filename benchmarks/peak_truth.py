@@ -140,9 +140,9 @@ hook reading the high-water mark between phases of the iteration, and torch's pr
 
 With neither term, gpt-25m at batch 2 sharded over N = 2 missed by -11.1 % and -10.6 % and
 gpt-7m showed a fixed 8-12 MiB; with the heap term alone, gpt-25m at batch 2 over N = 4 missed by
--10.6 % and -11.8 %. With both, gpt-7m (`--quick`, 4 of its cases re-run, not in the table): FSDP1 N = 2 batch 2 +0.6 %,
-FSDP2 N = 2 batch 2 -2.8 %, FSDP2 N = 2 batch 8 -8.4 % (11 MiB still unexplained), FSDP1 N = 1
-batch 2 -5.9 %.
+-10.6 % and -11.8 %. With both, gpt-7m (`--quick`, 4 of its cases re-run, not in the table):
+FSDP1 N = 2 batch 2 +0.6 %, FSDP2 N = 2 batch 2 -2.8 %, FSDP2 N = 2 batch 8 -8.4 % (11 MiB
+still unexplained), FSDP1 N = 1 batch 2 -5.9 %.
 
 What is still left out: the rest of the allocator. A resident-set peak counts pages, not
 tensors; glibc serves a request from free heap space left by earlier iterations before it maps new
