@@ -137,6 +137,18 @@ def test_accumulated_gradients_add_to_the_next_micro_steps_activations():
                                                          sum(u.numel for u in four.units) * 4)
 
 
+def test_fit_memory_plans_with_the_configured_accumulation():
+    from mmfsdp.plan.fit import fit
+    batch, size = config_batch(DATA, 'mmengine', 8)
+    found = {k: {(c.label, c.checkpointing): c.step for c in fit(
+        _gpt(), FSDP, 'mmengine', batch, size, [2], ['TransformerBlock'],
+        accumulative_counts=k)} for k in (1, 4)}
+    assert found[1].keys() == found[4].keys()
+    for key, step in found[4].items():
+        assert step.plan.accumulative_counts == 4 and step.freed_grad_bytes == 0
+        assert step.total_bytes >= found[1][key].total_bytes
+
+
 def test_heap_threshold_follows_the_device_and_cpu_allocator():
     assert heap_threshold('cuda') is None
     assert heap_threshold('cpu') == 2**20  # mmfsdp's default policy, 'release'

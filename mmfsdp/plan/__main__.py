@@ -138,7 +138,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
         if budget is not None:
             found = fit(model, wrapper_cfg, scope, batch, size, args.world_size,
                         checkpoint or _unit_classes(model, units), optimizer, ema,
-                        heap_threshold=heap)
+                        heap_threshold=heap, accumulative_counts=counts)
             return _fit_text(found, budget, size), _fit_json(found, budget)
         try:
             if not args.input_shape:

@@ -94,10 +94,12 @@ def candidates(wrapper_cfg: Mapping[str, Any], model: nn.Module,
 def fit(model: nn.Module, wrapper_cfg: Mapping[str, Any], scope: str, batch: BatchFn,
         batch_size: int, world_sizes: Sequence[int], checkpoint_layer_cls: Sequence[str],
         optimizer_cfg: Optional[Mapping[str, Any]] = None, ema: bool = False,
-        budget: Optional[int] = None, heap_threshold: Optional[int] = None) -> List[Candidate]:
+        budget: Optional[int] = None, heap_threshold: Optional[int] = None,
+        accumulative_counts: int = 1) -> List[Candidate]:
     """Every candidate at every world size, cheapest first (only those within ``budget``).
 
-    ``heap_threshold``: training on a CPU host (:func:`.host.heap_threshold`).
+    ``heap_threshold``: training on a CPU host (:func:`.host.heap_threshold`);
+    ``accumulative_counts``: the optim wrapper's micro-steps per optimizer step.
     """
     from . import plan_for, trace_for
     traces: Dict[Tuple[Any, ...], StepTrace] = {}
@@ -110,7 +112,8 @@ def fit(model: nn.Module, wrapper_cfg: Mapping[str, Any], scope: str, batch: Bat
         if key not in traces:
             traces[key] = trace_for(cls, cfg, model, batch)
         for n in world_sizes:
-            plan: Plan = plan_for(cls, cfg, model, n, optimizer_cfg, ema=ema)
+            plan: Plan = plan_for(cls, cfg, model, n, optimizer_cfg, ema=ema,
+                                  accumulative_counts=accumulative_counts)
             step = step_peak(plan, traces[key], batch_size, heap_threshold)
             if budget is None or step.total_bytes <= budget:
                 found.append(Candidate(label, cfg, n, checkpointing, step))
