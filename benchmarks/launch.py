@@ -5,7 +5,6 @@ measurement happens in fresh processes, so that their memory is their own.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -33,8 +32,8 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
 
     ``exact_allocator`` (default: whether any case measures memory) sets
     ``MALLOC_MMAP_THRESHOLD_`` in the job's environment (see :data:`MMAP_THRESHOLD`).
-    A job past ``timeout`` is killed with its workers, and the error ends with
-    the tail of its output.
+    A job past ``timeout`` is killed (torchrun; its workers run in sessions of
+    their own), and the error ends with what it had written to stderr.
     """
     if exact_allocator is None:
         exact_allocator = any(c['kind'] in MEMORY_KINDS for c in cases)
@@ -45,21 +44,19 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
         env['MALLOC_MMAP_THRESHOLD_'] = str(MMAP_THRESHOLD)
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node',
            str(nproc), '-m', 'benchmarks.worker', '--cases', json.dumps(cases)]
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
-            stdout, stderr = proc.communicate()
-            raise JobFailed(f'torchrun job timed out after {timeout} s: {cases}\n'
-                            + '\n'.join(stderr.splitlines()[-60:])) from e
-    results = [json.loads(line[len('RESULT '):]) for line in stdout.splitlines()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr.decode(errors='replace') if isinstance(e.stderr, bytes) else e.stderr
+        raise JobFailed(f'torchrun job timed out after {timeout} s: {cases}\n'
+                        + '\n'.join((tail or '').splitlines()[-60:])) from e
+    results = [json.loads(line[len('RESULT '):]) for line in proc.stdout.splitlines()
                if line.startswith('RESULT ')]
     if proc.returncode or len(results) != len(cases):
-        ranks = [line for line in stderr.splitlines() if line.startswith('[rank')]
+        ranks = [line for line in proc.stderr.splitlines() if line.startswith('[rank')]
         raise JobFailed(f'torchrun job failed (exit {proc.returncode}) for {cases}:\n' +
-                        '\n'.join(ranks[-60:] or stderr.splitlines()[-60:]))
+                        '\n'.join(ranks[-60:] or proc.stderr.splitlines()[-60:]))
     for result in results:
         result['exact_allocator'] = exact_allocator
     return results
