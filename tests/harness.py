@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -63,11 +64,17 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
     except BaseException:
         with open(os.path.join(out_dir, f'{rank}.err'), 'w') as f:
             f.write(traceback.format_exc())
-        raise
-    finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        raise
     torch.save(result, os.path.join(out_dir, f'{rank}.pt'))
+    # The rank's work is done and written. Leave without the interpreter's teardown:
+    # there, torch's gloo teardown intermittently aborts a finished rank (SIGABRT,
+    # "terminate called without an active exception"; open, see the README's Tests).
+    # Real jobs' exit codes are checked by the launch tests (run_job).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> List[Any]:
