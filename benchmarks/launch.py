@@ -5,9 +5,10 @@ measurement happens in fresh processes, so that their memory is their own.
 """
 import json
 import os
-import subprocess
 import sys
 from typing import Any, Dict, List, Optional
+
+from .job import Job
 
 __all__ = ['JobFailed', 'MEMORY_KINDS', 'REPO', 'torchrun']
 
@@ -32,8 +33,9 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
 
     ``exact_allocator`` (default: whether any case measures memory) sets
     ``MALLOC_MMAP_THRESHOLD_`` in the job's environment (see :data:`MMAP_THRESHOLD`).
-    A job past ``timeout`` is killed (torchrun; its workers run in sessions of
-    their own), and the error ends with what it had written to stderr.
+    A job past ``timeout`` is killed with all its processes (:class:`~benchmarks.job.Job`),
+    and so are workers left running by a torchrun that died; either error ends
+    with what the job had written to stderr.
     """
     if exact_allocator is None:
         exact_allocator = any(c['kind'] in MEMORY_KINDS for c in cases)
@@ -44,19 +46,22 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
         env['MALLOC_MMAP_THRESHOLD_'] = str(MMAP_THRESHOLD)
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node',
            str(nproc), '-m', 'benchmarks.worker', '--cases', json.dumps(cases)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = e.stderr.decode(errors='replace') if isinstance(e.stderr, bytes) else e.stderr
-        raise JobFailed(f'torchrun job timed out after {timeout} s: {cases}\n'
-                        + '\n'.join((tail or '').splitlines()[-60:])) from e
-    results = [json.loads(line[len('RESULT '):]) for line in proc.stdout.splitlines()
+    with Job([cmd], env, REPO, merge_stderr=False) as job:
+        finished = job.wait(timeout)
+        stdout, stderr, code = job.stdout(), job.stderr(), job.returncodes[0]
+    if not finished:
+        raise JobFailed(f'torchrun job timed out after {timeout} s (every process killed): '
+                        f'{cases}\n' + '\n'.join(stderr.splitlines()[-60:]))
+    if job.left_behind:
+        raise JobFailed(f'torchrun exited ({code}) leaving {len(job.left_behind)} of its '
+                        f'processes running (killed): {cases}\n'
+                        + '\n'.join(stderr.splitlines()[-60:]))
+    results = [json.loads(line[len('RESULT '):]) for line in stdout.splitlines()
                if line.startswith('RESULT ')]
-    if proc.returncode or len(results) != len(cases):
-        ranks = [line for line in proc.stderr.splitlines() if line.startswith('[rank')]
-        raise JobFailed(f'torchrun job failed (exit {proc.returncode}) for {cases}:\n' +
-                        '\n'.join(ranks[-60:] or proc.stderr.splitlines()[-60:]))
+    if code or len(results) != len(cases):
+        ranks = [line for line in stderr.splitlines() if line.startswith('[rank')]
+        raise JobFailed(f'torchrun job failed (exit {code}) for {cases}:\n' +
+                        '\n'.join(ranks[-60:] or stderr.splitlines()[-60:]))
     for result in results:
         result['exact_allocator'] = exact_allocator
     return results

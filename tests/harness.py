@@ -20,9 +20,7 @@ measures "equal to one process" the same way.
 """
 import multiprocessing
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import pytest
 import torch
+
+from benchmarks.job import Job
 
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO',
            'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
@@ -147,25 +147,24 @@ def run_job(cmd: Sequence[str], *, env: Optional[Dict[str, str]] = None,
             merge_stderr: bool = True) -> str:
     """Run ``cmd`` in ``cwd`` in its own session; return its output, or fail with its tail.
 
-    ``env`` defaults to :func:`job_env` ``()``. The job gets a new session
-    (process group), so a job past ``timeout`` is killed with every process it
-    started (torchrun's workers included) and the test fails with the output it
-    had written. With ``merge_stderr=False`` only stdout is returned (for a
-    command whose stdout is parsed) and stderr is shown on failure.
+    ``env`` defaults to :func:`job_env` ``()``. A job past ``timeout`` is
+    killed with every process it started (torchrun's workers included, see
+    :class:`benchmarks.job.Job`) and the test fails with the output it had
+    written; so does a job whose launcher exits leaving processes running.
+    With ``merge_stderr=False`` only stdout is returned (for a command whose
+    stdout is parsed) and stderr is shown on failure.
     """
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=job_env() if env is None else env,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f'{cmd} still running after {timeout} s; output:\n'
-                    f'{(out + (err or ""))[-OUTPUT_TAIL:]}')
-    assert proc.returncode == 0, (f'{cmd} exited with {proc.returncode}; output:\n'
-                                  f'{(out + (err or ""))[-OUTPUT_TAIL:]}')
+    with Job([cmd], job_env() if env is None else env, str(cwd), merge_stderr) as job:
+        finished = job.wait(timeout)
+        output = job.stdout() + job.stderr()
+        out, code = job.stdout(), job.returncodes[0]
+    if not finished:
+        pytest.fail(f'{cmd} still running after {timeout} s (every process killed); output:\n'
+                    f'{output[-OUTPUT_TAIL:]}')
+    assert code == 0 and not job.left_behind, (
+        f'{cmd} exited with {code}'
+        + (f', leaving {len(job.left_behind)} processes running (killed)' if job.left_behind
+           else '') + f'; output:\n{output[-OUTPUT_TAIL:]}')
     return out
 
 

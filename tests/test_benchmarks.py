@@ -109,7 +109,6 @@ def test_report(smoke):
 
 
 def test_report_rewrite_keeps_the_peak_truth_section_before_the_observations(smoke, tmp_path):
-    sys.path.insert(0, REPO)
     from benchmarks.report import KEPT, write_report
     out, data = smoke
     begin, end = KEPT[0]

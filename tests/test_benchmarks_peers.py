@@ -7,16 +7,10 @@ parsing then has to find the shard, the agreeing losses and one ratio per
 timed round. The third-party arms (accelerate, Lightning) are not run here:
 they are optional dependencies and their runs belong to ``python -m benchmarks.peers``.
 """
-import os
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from benchmarks import peers, peers_report  # noqa: E402
-from benchmarks.launch import torchrun  # noqa: E402
+from benchmarks import peers, peers_report
+from benchmarks.launch import torchrun
 
 ARMS = ['torch FSDP1', 'mmfsdp FSDP1']
 STEPS, TIMED_FROM = 3, 1

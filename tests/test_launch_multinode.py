@@ -10,11 +10,7 @@ nodes, that replicas hold equal shards, and that the trained weights equal
 those of mmengine's stock ``Runner`` training the same global batch on one
 process (max abs diff 1e-7 here).
 """
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
+from benchmarks.job import Job
 from harness import REPO, free_port, job_env
 
 HSDP_CONFIG = REPO / 'configs' / 'gpt-nano_hsdp_2x2cpu.py'
@@ -78,23 +75,15 @@ NO_VAL = dict(val_dataloader=None, val_cfg=None, val_evaluator=None)
 
 
 def _run_agents(cmds, env, timeout):
-    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-              for cmd in cmds]
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for agent in agents:
-        try:
-            out, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for a in agents:
-                if a.poll() is None:
-                    os.killpg(a.pid, signal.SIGKILL)
-            out = agent.communicate()[0]
-            pytest.fail(f'torchrun agents still running after {timeout} s:\n{out[-6000:]}')
-        outputs.append(out)
-    for node, (agent, out) in enumerate(zip(agents, outputs)):
-        assert agent.returncode == 0, f'node {node} exited {agent.returncode}:\n{out[-6000:]}'
+    with Job(cmds, env, str(REPO)) as job:
+        finished = job.wait(timeout)
+        outputs = [job.stdout(i) for i in range(len(cmds))]
+    if not finished:
+        pytest.fail(f'torchrun agents still running after {timeout} s (every process killed):\n'
+                    + '\n'.join(out[-6000:] for out in outputs))
+    for node, (code, out) in enumerate(zip(job.returncodes, outputs)):
+        assert code == 0, f'node {node} exited {code}:\n{out[-6000:]}'
+    assert not job.left_behind, f'the agents left {len(job.left_behind)} processes running'
     return outputs
 
 

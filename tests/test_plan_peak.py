@@ -2,7 +2,6 @@
 import functools
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -223,7 +222,6 @@ def test_fit_memory_lists_what_fits_cheapest_first(capsys, monkeypatch):
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak():
     # One FSDP2 job on 2 ranks (gpt-25m, batch 8, activation checkpointing), measured as the
     # benchmark measures it: resident-set high-water mark above the pre-model baseline.
-    sys.path.insert(0, REPO)
     from benchmarks.launch import torchrun
     from benchmarks.peak_truth import AC as CHECKPOINT
     case = dict(kind='peak', model='gpt-25m', strategy='FSDP2 reshard', name='truth',
