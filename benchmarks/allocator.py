@@ -265,11 +265,13 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
         return []
     with open(path) as f:
         explored = json.load(f)
-    lines = ['| run | setting | FSDP1 FULL_SHARD peak above baseline MiB | FSDP step s | '
-             "FSDP step / glibc's, same run | DDP peak MiB |", '|---|---|---|---|---|---|']
-    for run in dict.fromkeys(r['run'] for r in explored['results']):
-        rows = [r for r in explored['results'] if r['run'] == run]
-        fsdp = 'FSDP1 FULL_SHARD'
+    lines = ['| run | N | load average | setting | FSDP1 FULL_SHARD peak above baseline MiB | '
+             "FSDP step s | FSDP step / glibc's, same run | DDP peak MiB |",
+             '|---|---|---|---|---|---|---|---|']
+    fsdp = 'FSDP1 FULL_SHARD'
+    for run, n in dict.fromkeys((r['run'], r['world_size']) for r in explored['results']):
+        rows = [r for r in explored['results'] if r['run'] == run and r['world_size'] == n]
+        loads = [r['load_before'] for r in rows]
         glibc_time = _pooled(rows, 'step_time_s', setting=GLIBC, strategy=fsdp)
         for setting in dict.fromkeys(r['setting'] for r in rows):
             peak = _pooled(rows, 'peak_bytes', setting=setting, strategy=fsdp)
@@ -279,9 +281,10 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
             label = EXPLORED.get(setting, setting)
             if setting == 'mmfsdp default':
                 label = (f"mmap_threshold=1 MiB{', huge pages' if policy.get('huge_pages') else ''}"
-                         ' (then the default)')
+                         ' (the default)')
             lines.append(
-                f'| {run} | {label} | {_median(peak) / MiB:,.0f} | {_median(step):.1f} | '
+                f'| {run} | {n} | {min(loads):.1f}–{max(loads):.1f} | {label} | '
+                f'{_median(peak) / MiB:,.0f} | {_median(step):.1f} | '
                 f"{_median(step) / _median(glibc_time):.2f} | "
                 f"{f'{_median(ddp) / MiB:,.0f}' if ddp else '—'} |")
     return lines
@@ -308,7 +311,7 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         '(`benchmarks/alloc_probe.py`). The two settings: **mmfsdp default** (no key: '
         "`env_cfg.cpu_allocator='release'`) and **glibc (opt-out)** "
         "(`env_cfg.cpu_allocator='glibc'`: glibc's own defaults, what every run got before)."
-        + (f" {data['note']}" if data.get('note') else ''), '',
+        , '',
         f"Peak: the kernel's high-water mark of each rank's resident set during one training "
         f"iteration (reset at its start) minus the resident set when the config was loaded "
         f"(imports done, nothing built); the worst rank; {r0['steps']} measured iterations after "
@@ -319,17 +322,18 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         '(whose suite pays the same costs in a warm-up step before its baseline). '
         'CPU s: user + system CPU time of the rank process (all threads) per iteration.', '',
         f'Arms ran round-robin (order reversed every round); step-time ratios are per round, '
-        f'same N and strategy. **Load**: this machine was shared with five other sessions '
-        f'running test suites; the 1-minute load average before the jobs was '
-        f'{min(loads):.1f}–{max(loads):.1f} on 2 cores, so a wall-clock step mostly measures '
-        'the scheduler; the CPU time per step is the steadier figure.', '']
+        f'same N and strategy. **Load**: the 1-minute load average before the jobs was '
+        f"{min(loads):.1f}–{max(loads):.1f} on {m['cores']} cores"
+        + (f" ({data['machine_use']})" if data.get('machine_use') else '') + '.', '']
     lines += report(data).split('\n') + ['']
     lines += _reading(data)
     explored = exploration_lines()
     if explored:
-        lines += ['**What else was tried** (same benchmark, gpt-100m, N = 2, one job per arm '
-                  'and round, `--setting` arms, `benchmarks/results/allocator_explore.json`; '
-                  'load average 5–17, wall-clock steps):', ''] + explored + ['']
+        lines += ['**What else was tried** (same benchmark, gpt-100m, `--setting` arms, '
+                  '`benchmarks/results/allocator_explore.json`; wall-clock steps, medians over '
+                  'the run\'s rounds; explore1 and explore2 ran on the shared machine, and in '
+                  'explore1, before huge pages existed, the default was 1 MiB without them):',
+                  ''] + explored + ['']
     return lines
 
 
@@ -354,22 +358,30 @@ def _reading(data: Dict[str, Any]) -> List[str]:
             f"{_median(f_m['step_cpu_s']):.2f} s against {_median(f_g['step_cpu_s']):.2f} s"
             + (f' ({_median(cpu):.2f}×)' if cpu else '') + '; DDP\'s: '
             f"{_median(d_m['step_cpu_s']):.2f} s against {_median(d_g['step_cpu_s']):.2f} s.")
+    times = {n: _median(r['FSDP1 FULL_SHARD']['time_ratios']) for (n, setting), r in rows.items()
+             if setting == 'mmfsdp default' and r.get('FSDP1 FULL_SHARD', {}).get('time_ratios')}
+    met = [n for n, t in sorted(times.items()) if t <= TIME_GOAL]
+    missed = [n for n, t in sorted(times.items()) if t > TIME_GOAL]
     out += [
-        '- Why it costs time: glibc\'s heap reuses freed memory without touching the kernel; a '
+        '- What it costs: glibc\'s heap reuses freed memory without touching the kernel; a '
         'block mapped on its own is zero-filled and page-faulted in afresh every time. FSDP '
         'allocates and frees every gathered unit, unsharded gradient and reduce-scatter buffer '
         'every step (some GiB per step at this size); DDP keeps its buckets and gradients, so '
-        'only optimizer temporaries pay, and its time hardly moves. On this VM a 4 KiB page '
-        'fault costs about 17 µs (a 28 MiB tensor allocated, written and freed in a loop: 4.5 s '
-        'per GiB mapped afresh, 0.5 s per GiB with huge pages, where only the unaligned ends of '
-        'a block, about 500 faults, stay 4 KiB); a bare-metal machine faults several times '
-        'faster, so the ratio here is likely an upper bound, not measured elsewhere.',
-        '- Not met: the step-time goal (≤ 1.10 × the glibc-default step time) where the table '
-        'says fail. No allocator setting tried reached both goals: the settings that keep the '
-        'FSDP peak below 0.60 × DDP all map the large blocks afresh, and trimming after every '
-        'iteration (`trim_interval=1`) keeps the heap\'s reuse but leaves the peak of the step '
-        'itself (1,460 MiB) near DDP\'s. Reusing FSDP\'s communication buffers across units '
-        '(a cache inside the wrapper) would avoid both costs; it is not built.', '']
+        'only optimizer temporaries pay. With huge pages a fresh block costs one fault per '
+        '2 MiB (plus about 500 4 KiB faults at its unaligned ends) instead of one per 4 KiB.']
+    if met:
+        out.append(f'- Step-time goal (≤ {TIME_GOAL:.2f} × the glibc-default step time, median '
+                   f'of the per-round ratios) met at N = {", ".join(map(str, met))}.')
+    if missed:
+        out.append(
+            f'- Step-time goal not met at N = {", ".join(map(str, missed))} '
+            f'({", ".join(f"{times[n]:.2f}×" for n in missed)}). No allocator setting tried '
+            'reaches both goals there (table below): the settings that keep the FSDP peak below '
+            'the goal map the large blocks afresh, and trimming after every iteration '
+            '(`trim_interval=1`) keeps the heap\'s reuse but leaves the peak of the step near '
+            'DDP\'s. Reusing FSDP\'s communication buffers across units (a cache inside the '
+            'wrapper) would avoid both costs; it is not built.')
+    out.append('')
     return out
 
 
@@ -389,6 +401,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--setting', action='append', default=[], metavar='LABEL=JSON',
                         help='an extra allocator setting: LABEL=value of env_cfg.cpu_allocator')
     parser.add_argument('--out', default=RESULTS)
+    parser.add_argument('--machine-use', default=None, metavar='TEXT',
+                        help='what else ran on the machine meanwhile, in words, for the report')
     args = parser.parse_args(argv)
     settings = dict(SETTINGS)
     for item in args.setting:
@@ -400,7 +414,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     data: Dict[str, Any] = dict(
         command='python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:]),
         date_utc=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), machine=machine(),
-        results=[])
+        machine_use=args.machine_use, results=[])
     for rnd in range(args.rounds):
         for n in args.world_sizes:
             if rnd == 0 and args.model != FLOOR_MODEL:
