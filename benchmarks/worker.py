@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mmfsdp.dist import init_distributed
+from mmfsdp.teardown import shutdown_distributed
 
 from . import (
     accumulation,
@@ -26,6 +27,7 @@ from . import (
     peak_truth,
     peers,
 )
+from .job import dump_stacks_on_signal
 from .workload import threads_per_rank
 
 KINDS = dict(memory=memory.run_case, overhead=overhead.run_case,
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument('--cases', required=True, help='JSON list of cases')
     args = parser.parse_args()
     cases = json.loads(args.cases)
+    dump_stacks_on_signal()  # a job past its deadline says where it hung
     init_distributed('pytorch', dict(timeout=900))
     torch.set_num_threads(threads_per_rank(dist.get_world_size()))
     try:
@@ -48,7 +51,7 @@ def main() -> None:
                 print('RESULT ' + json.dumps(result), flush=True)
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 if __name__ == '__main__':

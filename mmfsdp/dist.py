@@ -13,7 +13,6 @@ The selection is made of pure functions (:func:`select_device`,
 :func:`select_backend`) of what the environment reports, so that it can be
 checked on any machine.
 """
-import atexit
 import datetime
 import os
 import re
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from .startup import check_backend
 
-__all__ = ['atexit_destroy_process_group', 'current_device', 'default_backend',
+__all__ = ['current_device', 'default_backend',
            'export_launcher_env', 'init_distributed', 'local_world_size', 'select_backend',
            'select_device', 'set_current_device']
 
@@ -204,19 +203,3 @@ def _restart_safe_store(world_size: int,
                           timeout=timeout or datetime.timedelta(minutes=30))
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
     return dist.PrefixStore(f'mmfsdp/attempt_{attempt}', store)
-
-
-def _destroy_process_group() -> None:
-    """Tear down the group a runner started, before the interpreter's own teardown.
-
-    Left alive, gloo's threads and sockets are destroyed in no particular order
-    at exit, which sometimes aborts a finished job ("terminate called without an
-    active exception"). Runs at exit, after a normal end or an exception.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def atexit_destroy_process_group() -> None:
-    """Destroy the default process group when the process exits (one a runner started)."""
-    atexit.register(_destroy_process_group)

@@ -17,12 +17,7 @@ from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
-from .dist import (
-    atexit_destroy_process_group,
-    current_device,
-    init_distributed,
-    set_current_device,
-)
+from .dist import current_device, init_distributed, set_current_device
 from .ema import configures_ema
 from .lifecycle import WrapPreconditions
 from .meta_init import (
@@ -42,6 +37,7 @@ from .protocol import is_parallel_wrapper
 from .registry import RUNNERS
 from .scope import without_collate_scope
 from .startup import check_launcher
+from .teardown import shutdown_at_exit
 from .together import fail_together
 from .wrappers.builder import (
     build_args,
@@ -143,7 +139,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
                              offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
-            atexit_destroy_process_group()
+            shutdown_at_exit()
         elif self.distributed:
             set_current_device()  # a group started by the caller: still train on LOCAL_RANK's
         super().setup_env(env_cfg)

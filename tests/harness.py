@@ -21,7 +21,6 @@ measures "equal to one process" the same way.
 import multiprocessing
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 from benchmarks.job import Job
+from mmfsdp.teardown import shutdown_distributed
 
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO',
            'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
@@ -64,17 +64,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
     except BaseException:
         with open(os.path.join(out_dir, f'{rank}.err'), 'w') as f:
             f.write(traceback.format_exc())
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
         raise
+    finally:
+        shutdown_distributed()  # as FSDPRunner does at exit (mmfsdp/teardown.py)
     torch.save(result, os.path.join(out_dir, f'{rank}.pt'))
-    # The rank's work is done and written. Leave without the interpreter's teardown:
-    # there, torch's gloo teardown intermittently aborts a finished rank (SIGABRT,
-    # "terminate called without an active exception"; open, see the README's Tests).
-    # Real jobs' exit codes are checked by the launch tests (run_job).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> List[Any]:

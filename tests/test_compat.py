@@ -375,3 +375,19 @@ def test_fake_tensor_mode_computes_shapes_without_storage():
         z = (x @ torch.empty(8, 3)).sum()
     assert y.shape == (1024, 16) and y.device.type == 'cpu' and z.shape == ()
     assert type(y).__name__ == 'FakeTensor'
+
+
+def _gloo_workers_by_name():
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(torch.ones(1))
+    return len(compat.gloo_worker_threads())
+
+
+def test_gloo_worker_threads_are_found_by_the_name_torch_gives_them():
+    """``ProcessGroupGloo`` runs its collectives on threads named ``pt_gloo_runloop``."""
+    from harness import run_distributed
+    assert compat.GLOO_WORKER_THREAD == 'pt_gloo_runloop'
+    assert all(n >= 1 for n in run_distributed(_gloo_workers_by_name, 2))

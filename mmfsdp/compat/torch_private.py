@@ -33,7 +33,7 @@ __all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', '
            'direct_tensors', 'enable_cpu_huge_pages', 'fsdp1_reshard_if_gathered', 'initialiser',
            'operator_name', 'registered_buffers', 'registered_child', 'registered_children',
            'registered_parameters', 'replace_registered', 'storage_key', 'written_arguments',
-           'fake_tensor_mode']
+           'fake_tensor_mode', 'GLOO_WORKER_THREAD', 'gloo_worker_threads']
 
 #: The child name torch's FSDP1 gives the module it wraps.
 FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
@@ -198,3 +198,32 @@ def enable_cpu_huge_pages() -> bool:
     page = os.sysconf('SC_PAGE_SIZE')
     probes = [torch.empty(2 << 20, dtype=torch.uint8) for _ in range(3)]
     return all(p.data_ptr() % page == 0 for p in probes)
+
+
+#: The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``).
+GLOO_WORKER_THREAD = 'pt_gloo_runloop'
+
+
+def gloo_worker_threads() -> List[int]:
+    """The thread ids of this process's gloo worker threads (Linux; elsewhere none).
+
+    Why private: torch exposes neither the threads nor a way to wait for them.
+    A gloo worker releases each finished collective after the caller's
+    ``wait()`` has returned; the release drops tensors and so takes the GIL.
+    Taken during the interpreter's finalization, the GIL ends the thread by
+    ``pthread_exit``, whose unwinding through a C++ destructor aborts the
+    process (SIGABRT, "terminate called without an active exception"):
+    pytorch/pytorch#190489. The threads are found by the name torch gives them.
+    """
+    task_dir = f'/proc/{os.getpid()}/task'
+    if not os.path.isdir(task_dir):
+        return []
+    found = []
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f'{task_dir}/{tid}/comm') as f:
+                if f.read().strip() == GLOO_WORKER_THREAD:
+                    found.append(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found

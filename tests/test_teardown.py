@@ -1,0 +1,53 @@
+"""Leaving a distributed process (mmfsdp/teardown.py): groups destroyed, gloo's workers idle.
+
+The abort this prevents is a race at interpreter exit (a gloo worker releasing
+a finished collective while the interpreter finalizes); its rate before and
+after is measured by ``python -m benchmarks.exit_stress``, not timed here.
+These tests pin what the teardown guarantees once it returns.
+"""
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from harness import COLLECTIVE_TIMEOUT_S, run_distributed
+from mmfsdp.compat import gloo_worker_threads
+from mmfsdp.teardown import settle_gloo_workers, shutdown_distributed
+
+
+def _init() -> None:
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _teardown_with_a_group_still_referenced():
+    _init()
+    held = dist.new_group([0, 1])  # as a wrapped module holds its group
+    for group in (None, held):
+        dist.all_reduce(torch.ones(1 << 16), group=group)
+    workers_alive = len(gloo_worker_threads())
+    settled = shutdown_distributed()
+    return dict(workers_alive=workers_alive, settled=settled,
+                initialized=dist.is_initialized(), workers_left=len(gloo_worker_threads()))
+
+
+def test_shutdown_destroys_every_group_and_leaves_the_workers_idle():
+    for rank in run_distributed(_teardown_with_a_group_still_referenced, 2):
+        assert rank['workers_alive'] >= 2
+        assert rank['settled'] and not rank['initialized']
+        # The default group's workers were joined; the referenced group's stay, idle.
+        assert 0 < rank['workers_left'] < rank['workers_alive']
+
+
+def _teardown_of_unreferenced_groups():
+    _init()
+    dist.all_reduce(torch.ones(8))
+    shutdown_distributed()
+    return len(gloo_worker_threads())
+
+
+def test_groups_nothing_references_take_their_workers_with_them():
+    assert run_distributed(_teardown_of_unreferenced_groups, 2) == [0, 0]
+
+
+def test_settling_without_gloo_workers_returns_at_once():
+    assert gloo_worker_threads() == [] and settle_gloo_workers(timeout=0)
