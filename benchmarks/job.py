@@ -12,10 +12,14 @@ therefore
 - writes the job's output to files, so that waiting ends when the launcher
   exits, not when the last process holding its output does;
 - kills the whole job past its deadline, and whatever it left running when
-  its launcher exited on its own.
+  its launcher exited on its own; past the deadline, every process first gets
+  :data:`DUMP_SIGNAL`, on which a process that registered it with
+  :func:`dump_stacks_on_signal` writes every thread's Python stack to its
+  stderr, so the output says where the job hung.
 
 Used by the benchmarks' torchrun jobs and by the tests' :func:`run_job`.
 """
+import faulthandler
 import os
 import signal
 import subprocess
@@ -24,10 +28,19 @@ import time
 import uuid
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ['Job', 'MARK', 'marked_processes']
+__all__ = ['DUMP_SIGNAL', 'Job', 'MARK', 'dump_stacks_on_signal', 'marked_processes']
 
 #: The environment variable every process of a job inherits, with the job's own value.
 MARK = 'MMFSDP_JOB_MARK'
+#: Sent to a job's processes past its deadline, before they are killed.
+DUMP_SIGNAL = signal.SIGUSR1
+#: How long the processes get to write their stacks.
+DUMP_GRACE_S = 3.0
+
+
+def dump_stacks_on_signal() -> None:
+    """In a process of a job: on :data:`DUMP_SIGNAL`, write every thread's stack to stderr."""
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
 def marked_processes(mark: str) -> List[int]:
@@ -89,6 +102,7 @@ class Job:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 finished = False
+                self._dump_stacks()
                 break
         killed = self._kill_marked()
         if finished:
@@ -96,6 +110,21 @@ class Job:
         for proc in self._procs:
             proc.wait()
         return finished
+
+    def _dump_stacks(self) -> None:
+        """Ask the job's workers for their stacks (:data:`DUMP_SIGNAL`), and give them time.
+
+        Launchers (whose own stacks say nothing) are left out: the signal's
+        default action would end them, and their workers with them.
+        """
+        launchers = {proc.pid for proc in self._procs}
+        for pid in marked_processes(self.mark):
+            if pid not in launchers:
+                try:
+                    os.kill(pid, DUMP_SIGNAL)
+                except ProcessLookupError:
+                    continue
+        time.sleep(DUMP_GRACE_S)
 
     def _kill_marked(self) -> List[int]:
         """SIGKILL every marked process, again until a scan finds none it has not killed

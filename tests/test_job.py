@@ -7,6 +7,7 @@ import os
 import sys
 
 from benchmarks.job import Job, marked_processes
+from harness import REPO
 
 LAUNCHER = ('import subprocess, sys\n'
             'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],'
@@ -47,3 +48,19 @@ def test_a_job_that_ends_cleanly_leaves_nothing_and_keeps_its_output():
         assert job.wait(timeout=120)
         assert (job.returncodes, job.left_behind) == ([0], [])
         assert (job.stdout(), job.stderr()) == ('out\n', 'err\n')
+
+
+def test_a_job_past_its_deadline_first_writes_where_its_workers_are():
+    worker = ('from benchmarks.job import dump_stacks_on_signal\n'
+              'dump_stacks_on_signal()\n'
+              'def waiting_for_a_peer():\n'
+              '    import time; time.sleep(600)\n'
+              'print("ready", flush=True)\n'
+              'waiting_for_a_peer()\n')
+    launcher = ('import subprocess, sys\n'
+                f'subprocess.run([sys.executable, "-c", {worker!r}])\n')
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with Job([[sys.executable, '-c', launcher]], env, str(REPO)) as job:
+        assert not job.wait(timeout=15)  # ample for the worker to start and register
+        assert 'ready' in job.stdout()
+        assert 'in waiting_for_a_peer' in job.stdout()
