@@ -51,11 +51,11 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
         stdout, stderr, code = job.stdout(), job.stderr(), job.returncodes[0]
     if not finished:
         raise JobFailed(f'torchrun job timed out after {timeout} s (every process killed): '
-                        f'{cases}\n' + '\n'.join(stderr.splitlines()[-60:]))
+                        f'{cases}\n' + '\n'.join(stderr.splitlines()[-300:]))
     if job.left_behind:
         raise JobFailed(f'torchrun exited ({code}) leaving {len(job.left_behind)} of its '
                         f'processes running (killed): {cases}\n'
-                        + '\n'.join(stderr.splitlines()[-60:]))
+                        + '\n'.join(stderr.splitlines()[-300:]))
     results = [json.loads(line[len('RESULT '):]) for line in stdout.splitlines()
                if line.startswith('RESULT ')]
     if code or len(results) != len(cases):

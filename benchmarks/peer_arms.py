@@ -20,6 +20,7 @@ Nothing here imports accelerate or lightning until an arm of theirs is built:
 they are optional (the ``benchmarks`` extra).
 """
 import gc
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -38,6 +39,18 @@ from .workload import runner_cfg as mmfsdp_runner_cfg
 __all__ = ['ARMS', 'FAMILIES', 'Arm', 'PeerGPT', 'Trainer', 'build']
 
 #: The hand-written torch arm every other arm of a family is timed against.
+#: Numbers the runners a process builds. mmengine names a runner's logger and visualizer
+#: ``experiment_name + '_' + timestamp`` and reuses an instance of that name: two runners built
+#: within one second would share the first one's, whose directory an earlier case deleted
+#: (seen: rank 0 alone failing to write its config there, and the job hanging).
+_BUILDS = itertools.count()
+
+
+def experiment_name(label: str) -> str:
+    """A name no earlier runner of this process had (the same on every rank)."""
+    return f"peers-{label.replace(' ', '-')}-{next(_BUILDS)}"
+
+
 FAMILIES: Dict[str, str] = {'fsdp1': 'torch FSDP1', 'fsdp2': 'torch FSDP2', 'ddp': 'torch DDP'}
 
 
@@ -170,7 +183,7 @@ def _runner_trainer(runner: Any) -> Trainer:
 def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
     def build(preset: str, init_file: str, work_dir: str) -> Trainer:
         cfg = mmfsdp_runner_cfg(preset, STRATEGIES[label].wrapper_cfg, work_dir,
-                                f'peers-{label}', 1, 16, 0,
+                                experiment_name(label), 1, 16, 0,
                                 train_cfg=dict(type='BenchmarkPeersLoop'))
         cfg.model = peer_model_cfg(preset, init_file)
         # Equal settings: every arm allocates as the job's environment says (Method);
@@ -212,7 +225,8 @@ def _flexible_runner(preset: str, init_file: str, work_dir: str,
         train_dataloader=_train_dataloader(), train_cfg=dict(type='BenchmarkPeersLoop'),
         default_hooks=dict(checkpoint=None, logger=dict(type='LoggerHook', interval=10**6)),
         launcher='pytorch', env_cfg=dict(dist_cfg=dict(backend='gloo')),
-        log_level='WARNING', randomness=dict(seed=0))
+        log_level='WARNING', randomness=dict(seed=0),
+        experiment_name=experiment_name('FlexibleRunner FSDP'))
     return _runner_trainer(runner)
 
 

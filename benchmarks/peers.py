@@ -62,6 +62,9 @@ def plan_cases(model: str, arms: List[str], steps: int, timed_from: int, batch_s
 # ----------------------------------------------------------------- in the torchrun job
 
 def _error(e: BaseException, stage: str) -> Dict[str, str]:
+    import torch.distributed as dist
+    print(f'[rank{dist.get_rank()}] {stage} failed:\n' + ''.join(traceback.format_exception(e)),
+          file=sys.stderr, flush=True)
     lines = traceback.format_exception_only(type(e), e)
     frames = [f"{f.filename.split('site-packages/')[-1].replace(REPO + os.sep, '')}:"
               f'{f.lineno} {f.name}' for f in traceback.extract_tb(e.__traceback__)[-3:]]

@@ -88,3 +88,10 @@ def test_report_section_replaces_only_its_own_lines(tmp_path):
     assert 'old table' not in text and text.count(peers_report.TITLE) == 1
     assert text.index('kept') < text.index(peers_report.TITLE) < text.index(
         '<!-- peak-truth:begin -->') < text.index('## 12. After')
+
+
+def test_every_runner_a_job_builds_gets_its_own_experiment_name():
+    """mmengine reuses a logger / visualizer by name (name + the second it was built); a case
+    built in the same second as the previous one must not write into its deleted directory."""
+    from benchmarks.peer_arms import experiment_name
+    assert experiment_name('mmfsdp FSDP1') != experiment_name('mmfsdp FSDP1')
