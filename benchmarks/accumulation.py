@@ -150,8 +150,8 @@ def table(results: List[Dict[str, Any]]) -> str:
     comm = {(key(r), r['counts'], r['mode']): r['comm_send_bytes']['median'] for r in results}
     lines = ['| wrapper | N | measured step | k | accumulation | peak MiB | peak / peak at k=1 '
              '| peak / k=1\'s highest step | comm MiB / step | theory MiB | comm / theory '
-             '| (sharded − unsharded) / (k−1)(N−1)/N·P·b |',
-             '|---|---|---|---|---|---|---|---|---|---|---|---|']
+             '| (sharded − unsharded) / (k−1)(N−1)/N·P·b | (peak − peak at k=1) / P·b/N |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for r in sorted(results, key=lambda r: (*key(r), r['counts'], r['mode'])):
         n, k = r['world_size'], r['counts']
         ref = base.get(key(r))
@@ -163,7 +163,9 @@ def table(results: List[Dict[str, Any]]) -> str:
                       f"over {r['peak_bytes']['n']} steps" if r['peak_bytes']['n'] > 1 else '')
         else:
             spread = f'{peak / worst[key(r)]:.3f}'
-        extra = ''
+        extra, over = '', ''
+        if k > 1:  # what accumulation adds, against the gradient shard it has to keep
+            over = f"{(peak - ref) / (r['params'] * BYTES_PER_ELEMENT / n):.2f}"
         other = comm.get((key(r), k, 'unsharded'))
         if r['mode'] == 'sharded' and k > 1 and other is not None:
             theory = (k - 1) * (n - 1) / n * r['params'] * BYTES_PER_ELEMENT
@@ -173,7 +175,7 @@ def table(results: List[Dict[str, Any]]) -> str:
             f"{r['mode'] if k > 1 else '(either)'} | "
             f"{_mib(peak)} | {peak / ref:.3f} | {spread} | {_mib(sent)} | "
             f"{_mib(r['theory_comm_bytes'])} | "
-            f"{sent / r['theory_comm_bytes']:.4f} | {extra} |")
+            f"{sent / r['theory_comm_bytes']:.4f} | {extra} | {over} |")
     return '\n'.join(lines)
 
 
@@ -201,7 +203,9 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         'of the step. Theory (ZeRO-3, P·b parameter bytes): `\'sharded\'` 3k(N−1)/N·P·b, '
         '`\'unsharded\'` (2k+1)(N−1)/N·P·b: the difference is the k−1 extra '
         'reduce-scatters. Goals: `\'sharded\'` peak ≤ 1.05 × the peak at k = 1; '
-        'communication within 5 % of theory.', '',
+        'communication within 5 % of theory. The last column is what accumulation adds to '
+        'the peak in units of one gradient shard (P·b/N), the memory any accumulation has '
+        'to keep between micro-steps: ≤ 1 is the bound `\'sharded\'` can reach.', '',
         table(results), ''] + [f'- {note}' for note in data.get('notes', [])] + ['']
 
 
