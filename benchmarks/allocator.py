@@ -55,6 +55,7 @@ EXPLORED = {
     'mmap4m': 'mmap_threshold=4 MiB, no huge pages',
     'mmap1m-nothp': 'mmap_threshold=1 MiB, no huge pages',
     'trim1': "glibc's defaults + malloc_trim(0) after every iteration",
+    'arena1': "glibc's defaults, one arena (arena_max=1)",
 }
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
@@ -270,7 +271,8 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
              '|---|---|---|---|---|---|---|---|']
     fsdp = 'FSDP1 FULL_SHARD'
     for run, n in dict.fromkeys((r['run'], r['world_size']) for r in explored['results']):
-        rows = [r for r in explored['results'] if r['run'] == run and r['world_size'] == n]
+        rows = [r for r in explored['results']
+                if r['run'] == run and r['world_size'] == n and r['round'] != 'floor']
         loads = [r['load_before'] for r in rows]
         glibc_time = _pooled(rows, 'step_time_s', setting=GLIBC, strategy=fsdp)
         for setting in dict.fromkeys(r['setting'] for r in rows):
@@ -280,8 +282,9 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
             policy = next((r['policy'] for r in rows if r['setting'] == setting), None)
             label = EXPLORED.get(setting, setting)
             if setting == 'mmfsdp default':
-                label = (f"mmap_threshold=1 MiB{', huge pages' if policy.get('huge_pages') else ''}"
-                         ' (the default)')
+                label = ('mmap_threshold=1 MiB, huge pages (the default)'
+                         if policy.get('huge_pages') else
+                         'mmap_threshold=1 MiB (then the default; no huge pages yet)')
             lines.append(
                 f'| {run} | {n} | {min(loads):.1f}–{max(loads):.1f} | {label} | '
                 f'{_median(peak) / MiB:,.0f} | {_median(step):.1f} | '
