@@ -270,11 +270,11 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
            f"loss of step {inter['steps']} on each rank; Δ = the largest difference from "
            f"hand-written torch DDP over the ranks (agree: Δ ≤ {LOSS_TOLERANCE:g})."
            if inter else 'not recorded.'),
-        f"- **Machine load**: the 2-core machine was shared with five other sessions running "
-        f"their tests and benchmarks; the 1-minute load average was "
-        f"{min(loads):.1f}–{max(loads):.1f} across the jobs (2 cores), so step times are "
-        "several times those of an idle machine and single rounds swing widely; only the ratios "
-        "of the same round are meaningful, and their medians." if loads else '', '']
+        f"- **Machine load**: the 1-minute load average was {min(loads):.1f}–{max(loads):.1f} "
+        f"across the jobs ({data.get('machine', {}).get('cores', '?')} cores"
+        + (f"; {data['machine_use']}" if data.get('machine_use') else '')
+        + "); single rounds swing, so only the ratios of the same round are meaningful, and "
+        "their medians." if loads else '', '']
     header = ['arm', 'family', 'runs on CPU', 'wrapper found (framework notes)',
               'parameters per rank MiB — shards?', 'model state MiB per rank',
               'peak MiB per rank, median (min–max)', 'step time / torch arm, median (min–max)',

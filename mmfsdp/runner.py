@@ -61,8 +61,10 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     - **Start-up on any device**: the process group is started with the
       device's backend (gloo on CPU, NCCL on CUDA) unless
       ``env_cfg.dist_cfg.backend`` names one; mmengine's ``init_dist`` would
-      call ``torch.cuda.set_device`` and fail on a CPU-only machine. A group
-      the runner started is destroyed when the process exits.
+      call ``torch.cuda.set_device`` and fail on a CPU-only machine. A
+      process whose group the runner started leaves through
+      :mod:`mmfsdp.teardown` (groups destroyed, gloo's workers idle), so a
+      finished job does not abort in the interpreter's teardown.
     - **Fail fast**: ``model_wrapper_cfg`` is checked on every rank before the
       process group starts (and against the model once it is built), so a
       typo is an error everywhere, not a hang. Before the first collective
