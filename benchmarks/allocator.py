@@ -56,6 +56,7 @@ EXPLORED = {
     'mmap1m-nothp': 'mmap_threshold=1 MiB, no huge pages',
     'trim1': "glibc's defaults + malloc_trim(0) after every iteration",
     'arena1': "glibc's defaults, one arena (arena_max=1)",
+    'mmap 2 MiB': 'mmap_threshold=2 MiB, huge pages',
 }
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
@@ -290,7 +291,7 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
                 f'{_median(peak) / MiB:,.0f} | {_median(step):.1f} | '
                 f"{_median(step) / _median(glibc_time):.2f} | "
                 f"{f'{_median(ddp) / MiB:,.0f}' if ddp else '—'} |")
-    return lines
+    return lines + (['', explored['note']] if explored.get('note') else [])
 
 
 def section_lines(data: Dict[str, Any]) -> List[str]:
@@ -334,9 +335,7 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
     if explored:
         lines += ['**What else was tried** (same benchmark, gpt-100m, `--setting` arms, '
                   '`benchmarks/results/allocator_explore.json`; wall-clock steps, medians over '
-                  'the run\'s rounds; explore1 and explore2 ran on the shared machine, and in '
-                  'explore1, before huge pages existed, the default was 1 MiB without them):',
-                  ''] + explored + ['']
+                  'the run\'s rounds):', ''] + explored + ['']
     return lines
 
 
