@@ -7,6 +7,7 @@ that every equivalence test varies, :func:`checkpointing_config` the one of
 the save-and-resume tests.
 """
 import copy
+import itertools
 import math
 import os
 from typing import Any, Dict, Optional
@@ -108,18 +109,26 @@ class ToyMetric(BaseMetric):
                     accuracy=sum(r[1] for r in results) / len(results))
 
 
+#: Numbers the runner configs of a process. mmengine's Runner takes its MessageHub, logger and
+#: visualizer by ``experiment_name + '_' + timestamp`` (to the second) and reuses an existing
+#: instance of that name, runtime info included: two runs of one name built within a second
+#: shared the first one's ``best_ckpt``, and the second deleted the first one's best checkpoint.
+_RUNS = itertools.count()
+
+
 def runner_config(name: str, work_dir: str, *, batch_size: int, max_iters: int = 6,
                   launcher: str = 'pytorch', wrapper: Optional[dict] = None,
                   optim_wrapper: Optional[dict] = None, val: bool = False,
                   dataset_length: int = 48) -> dict:
-    """The mmengine config of one tiny training run (a new dict on every call)."""
+    """The mmengine config of one tiny training run (a new dict, and a new experiment name, on
+    every call)."""
     loader = dict(dataset=dict(type='ToyDataset', length=dataset_length),
                   sampler=dict(type='DefaultSampler', shuffle=True, seed=0),
                   collate_fn=dict(type='default_collate'), batch_size=batch_size, num_workers=0)
     cfg = dict(
         model=dict(type='ToyClassifier'),
         work_dir=work_dir,
-        experiment_name=name,
+        experiment_name=f'{name}-{next(_RUNS)}',
         launcher=launcher,
         env_cfg=dict(dist_cfg=DIST_CFG),
         randomness=dict(seed=1),
