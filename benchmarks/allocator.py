@@ -314,8 +314,8 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         'tokens per rank, AdamW), turns checkpoints and validation off, and imports a probe hook '
         '(`benchmarks/alloc_probe.py`). The two settings: **mmfsdp default** (no key: '
         "`env_cfg.cpu_allocator='release'`) and **glibc (opt-out)** "
-        "(`env_cfg.cpu_allocator='glibc'`: glibc's own defaults, what every run got before)."
-        , '',
+        "(`env_cfg.cpu_allocator='glibc'`: glibc's own defaults, what every run got before).",
+        '',
         f"Peak: the kernel's high-water mark of each rank's resident set during one training "
         f"iteration (reset at its start) minus the resident set when the config was loaded "
         f"(imports done, nothing built); the worst rank; {r0['steps']} measured iterations after "

@@ -49,13 +49,13 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
     with Job([cmd], env, REPO, merge_stderr=False) as job:
         finished = job.wait(timeout)
         stdout, stderr, code = job.stdout(), job.stderr(), job.returncodes[0]
+    tail = '\n'.join(stderr.splitlines()[-300:])
     if not finished:
         raise JobFailed(f'torchrun job timed out after {timeout} s (every process killed): '
-                        f'{cases}\n' + '\n'.join(stderr.splitlines()[-300:]))
+                        f'{cases}\n{tail}')
     if job.left_behind:
         raise JobFailed(f'torchrun exited ({code}) leaving {len(job.left_behind)} of its '
-                        f'processes running (killed): {cases}\n'
-                        + '\n'.join(stderr.splitlines()[-300:]))
+                        f'processes running (killed): {cases}\n{tail}')
     results = [json.loads(line[len('RESULT '):]) for line in stdout.splitlines()
                if line.startswith('RESULT ')]
     if code or len(results) != len(cases):

@@ -38,7 +38,6 @@ from .workload import runner_cfg as mmfsdp_runner_cfg
 
 __all__ = ['ARMS', 'FAMILIES', 'Arm', 'PeerGPT', 'Trainer', 'build']
 
-#: The hand-written torch arm every other arm of a family is timed against.
 #: Numbers the runners a process builds. mmengine names a runner's logger and visualizer
 #: ``experiment_name + '_' + timestamp`` and reuses an instance of that name: two runners built
 #: within one second would share the first one's, whose directory an earlier case deleted
@@ -51,6 +50,7 @@ def experiment_name(label: str) -> str:
     return f"peers-{label.replace(' ', '-')}-{next(_BUILDS)}"
 
 
+#: The hand-written torch arm every other arm of a family is timed against.
 FAMILIES: Dict[str, str] = {'fsdp1': 'torch FSDP1', 'fsdp2': 'torch FSDP2', 'ddp': 'torch DDP'}
 
 

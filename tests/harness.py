@@ -149,8 +149,8 @@ def run_job(cmd: Sequence[str], *, env: Optional[Dict[str, str]] = None,
     """
     with Job([cmd], job_env() if env is None else env, str(cwd), merge_stderr) as job:
         finished = job.wait(timeout)
-        output = job.stdout() + job.stderr()
         out, code = job.stdout(), job.returncodes[0]
+        output = out + job.stderr()
     if not finished:
         pytest.fail(f'{cmd} still running after {timeout} s (every process killed); output:\n'
                     f'{output[-OUTPUT_TAIL:]}')

@@ -381,7 +381,9 @@ def _gloo_workers_by_name():
     import datetime
 
     import torch.distributed as dist
-    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))
+
+    from harness import COLLECTIVE_TIMEOUT_S
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     dist.all_reduce(torch.ones(1))
     return len(compat.gloo_worker_threads())
 
