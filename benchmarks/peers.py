@@ -19,7 +19,8 @@ and FSDP2 plugins, Lightning Fabric's ``FSDPStrategy`` and
   round, each step timed between two barriers. The step-time ratio of a round
   is ``arm / hand-written torch arm of its family`` (the first ``timed_from``
   rounds are left out); the loss of every step is kept, so all arms can be
-  checked to train the same thing.
+  checked to train the same thing. An error there ends the job: it may be one
+  rank's alone, and the ranks must not go on into different collectives.
 
 The orchestrator never imports torch; results go to ``benchmarks/results/peers.json``
 and ``python -m benchmarks.report benchmarks/results/full.json`` renders them into
@@ -146,14 +147,15 @@ def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
         trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
         probe = _StateProbe(trainer)
         stage = 'train'
-        peaks, losses = [], []
+        peaks, starts, losses = [], [], []
         for batch in batches:
             dist.barrier()
             reset_peak_rss()
+            starts.append(rss_bytes() - baseline)
             losses.append(trainer.step(batch))
             peaks.append(peak_rss_bytes() - baseline)
         probe.remove()
-        out.update(peaks=peaks, losses=losses, states=probe.records,
+        out.update(peaks=peaks, starts=starts, losses=losses, states=probe.records,
                    wrapper=peer_arms.wrapper_name(trainer.module), notes=trainer.notes,
                    baseline=baseline)
     except Exception as e:  # noqa: BLE001 - the error is the result
@@ -163,35 +165,31 @@ def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
 
 
 def _interleaved_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
-    import torch.distributed as dist
+    """Every arm built, then trained round by round; an error ends the job.
 
+    Only arms whose memory job trained on every rank are here, so an error is
+    unexpected, and it may be one rank's alone: going on without the arm on
+    that rank would send the ranks into different collectives. Raising lets
+    torchrun stop the job, and the run reports the error.
+    """
     from . import peer_arms
     batches = _batches(case['seq_len'], case['batch_size'], case['steps'])
     init = _init_file(work_dir, case['model'])
-    trainers, probes, errors = {}, {}, {}
+    trainers, probes = {}, {}
     for label in case['arms']:
-        try:
-            trainers[label] = peer_arms.build(label, case['model'], init,
-                                              os.path.join(work_dir, label.replace(' ', '-')))
-            probes[label] = _StateProbe(trainers[label])
-        except Exception as e:  # noqa: BLE001
-            errors[label] = _error(e, 'build')
+        trainers[label] = peer_arms.build(label, case['model'], init,
+                                          os.path.join(work_dir, label.replace(' ', '-')))
+        probes[label] = _StateProbe(trainers[label])
     times: Dict[str, List[float]] = {label: [] for label in trainers}
     losses: Dict[str, List[float]] = {label: [] for label in trainers}
     order = list(trainers)
     for i, batch in enumerate(batches):
         k = i % len(order) if order else 0
         for label in order[k:] + order[:k]:
-            if label in errors:
-                continue
-            try:
-                elapsed, loss = _timed_step(trainers[label], batch)
-            except Exception as e:  # noqa: BLE001
-                errors[label] = _error(e, f'step {i + 1}')
-                continue
+            elapsed, loss = _timed_step(trainers[label], batch)
             times[label].append(elapsed)
             losses[label].append(loss)
-    out = dict(times=times, losses=losses, errors=errors, order=order,
+    out = dict(times=times, losses=losses, order=order,
                states={label: p.records[-1] if p.records else None
                        for label, p in probes.items()},
                wrappers={label: peer_arms.wrapper_name(t.module)
@@ -201,7 +199,6 @@ def _interleaved_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
         probe.remove()
     del trainers
     peer_arms.release(None)
-    dist.barrier()
     return out
 
 
@@ -218,8 +215,8 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
             local = _interleaved_case(case, work_dir)
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
-    finally:
-        dist.barrier()
+        dist.barrier()  # every rank is done with the files
+    finally:  # on an error no collective: the other ranks may be in another one
         if dist.get_rank() == 0:
             shutil.rmtree(work_dir, ignore_errors=True)
     if dist.get_rank() != 0:

@@ -81,11 +81,10 @@ def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
     inter = _interleaved(data)
     times: Dict[str, List[float]] = {}
     losses: Dict[str, List[float]] = {}
-    errors: Dict[str, Any] = {}
     timed_from = 0
     if inter:
         rank0 = inter['ranks'][0]
-        times, errors, timed_from = rank0['times'], rank0['errors'], inter['timed_from']
+        times, timed_from = rank0['times'], inter['timed_from']
         losses = {label: [r['losses'][label][-1] for r in inter['ranks']
                           if len(r['losses'].get(label, [])) == inter['steps']]
                   for label in rank0['losses']}
@@ -103,8 +102,6 @@ def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
             ratios = [a / b for a, b in zip(times[label][timed_from:], times[ref][timed_from:])]
             row['ratio'] = _summary(ratios) if ratios else None
             row['step_s'] = _summary(times[label][timed_from:]) if ratios else None
-        if label in errors:
-            row['interleaved_error'] = errors[label]
         if label in losses and losses[label]:
             row['loss'] = losses[label]
             if ref_loss:
@@ -291,10 +288,11 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
                          f"`{r['memory'].get('error')}`"
                          + (f" — raised at `{where[-1]}`" if where else ''))
         lines.append('')
-    late = [r for r in rows if r.get('interleaved_error')]
-    for r in late:
-        lines.append(f"- **{r['label']}** failed in the interleaved job "
-                     f"({r['interleaved_error']['stage']}): `{r['interleaved_error']['error']}`")
+    failed_job = next((r for r in data['results'] if r.get('mode') == 'interleaved'
+                       and 'job_failed' in r), None)
+    if failed_job:
+        lines += [f"The interleaved job failed, so no step times or losses: "
+                  f"`{failed_job['job_failed'].strip().splitlines()[-1]}`", '']
     verdicts = goals(rows)
     if verdicts:
         lines += ['Goals: mmfsdp against every arm of its family that runs at the same '
