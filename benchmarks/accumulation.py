@@ -37,6 +37,8 @@ WRAPPERS: Dict[str, Dict[str, Any]] = {
     'fsdp2': dict(type='mmfsdp.MMFullyShard', reshard_after_forward=True,
                   auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])),
 }
+#: ``model_wrapper_cfg.activation_checkpointing`` of the ``--activation-checkpointing`` cases.
+AC = dict(layer_cls=['TransformerBlock'])
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
                            'accumulation.json')
 
@@ -82,6 +84,8 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     from .workload import BYTES_PER_ELEMENT, build_model, make_runner, runner_cfg, warm_up
     counts, mode = case['counts'], case['mode']
     wrapper = dict(WRAPPERS[case['wrapper']], accumulation=mode)
+    if case.get('ac'):
+        wrapper['activation_checkpointing'] = AC
     warm_up(wrapper, case['name'])
     baseline = rss_bytes()  # before the model is built
     counter = CollectiveCounter()
@@ -106,7 +110,8 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
             for i in range(len(records))]
     comm = [max(g['records'][i]['send_bytes'] for g in gathered) for i in range(len(records))]
     return dict(kind='accumulation', name=case['name'], model=case['model'],
-                wrapper=case['wrapper'], mode=mode, counts=counts, world_size=world,
+                wrapper=case['wrapper'], ac=bool(case.get('ac')), mode=mode, counts=counts,
+                world_size=world,
                 params=params, batch_size=case['batch_size'], seq_len=case['seq_len'],
                 warmup=case['warmup'], steps=len(records), peak_bytes=summary(peak),
                 comm_send_bytes=summary(comm),
@@ -115,9 +120,14 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def plan_cases(model: str, wrappers: List[str], world_sizes: List[int], counts: List[int],
-               batch_size: int, seq_len: int, warmup: int, steps: int) -> List[Dict[str, Any]]:
-    """One case per (world size, wrapper, k, mode); k = 1 once (no micro-steps to differ)."""
+               batch_size: int, seq_len: int, warmup: int, steps: int,
+               ac: bool = False) -> List[Dict[str, Any]]:
+    """One case per (world size, wrapper, k, mode); k = 1 once (no micro-steps to differ).
+
+    ``ac``: every block under activation checkpointing (:data:`AC`).
+    """
     cases = []
+    tag = '/ac' if ac else ''
     for n in world_sizes:
         for wrapper in wrappers:
             for k in counts:
@@ -125,7 +135,8 @@ def plan_cases(model: str, wrappers: List[str], world_sizes: List[int], counts: 
                     cases.append(dict(
                         kind='accumulation', nproc=n, model=model, wrapper=wrapper, counts=k,
                         mode=mode, batch_size=batch_size, seq_len=seq_len, warmup=warmup,
-                        steps=steps, name=f'accumulation/{model}/N{n}/{wrapper}/k{k}/{mode}'))
+                        steps=steps, ac=ac,
+                        name=f'accumulation/{model}/N{n}/{wrapper}{tag}/k{k}/{mode}'))
     return cases
 
 
@@ -143,7 +154,7 @@ def table(results: List[Dict[str, Any]]) -> str:
     """The markdown table: peak vs k = 1, communication vs theory, the extra reduce-scatters."""
     from .workload import BYTES_PER_ELEMENT
     def key(r: Dict[str, Any]) -> tuple:
-        return r['wrapper'], r['world_size'], r.get('warmup', 1)
+        return r.get('ac', False), r['wrapper'], r['world_size'], r.get('warmup', 1)
 
     base = {key(r): r['peak_bytes']['median'] for r in results if r['counts'] == 1}
     worst = {key(r): r['peak_bytes']['max'] for r in results if r['counts'] == 1}
@@ -171,7 +182,8 @@ def table(results: List[Dict[str, Any]]) -> str:
             theory = (k - 1) * (n - 1) / n * r['params'] * BYTES_PER_ELEMENT
             extra = f'{(sent - other) / theory:.4f}'
         lines.append(
-            f"| {r['wrapper']} | {n} | {_step(r.get('warmup', 1), r['steps'])} | {k} | "
+            f"| {r['wrapper']}{' + AC' if r.get('ac') else ''} | {n} | "
+            f"{_step(r.get('warmup', 1), r['steps'])} | {k} | "
             f"{r['mode'] if k > 1 else '(either)'} | "
             f"{_mib(peak)} | {peak / ref:.3f} | {spread} | {_mib(sent)} | "
             f"{_mib(r['theory_comm_bytes'])} | "
@@ -220,6 +232,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--seq-len', type=int, default=64)
     parser.add_argument('--warmup', type=int, default=1, help='optimizer steps not measured')
     parser.add_argument('--steps', type=int, default=1, help='optimizer steps measured')
+    parser.add_argument('--activation-checkpointing', action='store_true',
+                        help='every block under activation checkpointing')
     parser.add_argument('--out', default=DEFAULT_OUT)
     parser.add_argument('--resume', action='store_true', help='skip the cases in --out')
     parser.add_argument('--pack', action='store_true',
@@ -229,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         'low: gpt-100m N=4 FSDP1 k=4 sharded, 460 MiB packed, 596 alone)')
     args = parser.parse_args(argv)
     cases = plan_cases(args.model, args.wrappers, args.world_sizes, args.counts,
-                       args.batch_size, args.seq_len, args.warmup, args.steps)
+                       args.batch_size, args.seq_len, args.warmup, args.steps,
+                       args.activation_checkpointing)
     done: List[Dict[str, Any]] = []
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:

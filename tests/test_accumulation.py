@@ -214,6 +214,24 @@ def test_benchmark_theory_is_k_minus_1_extra_reduce_scatters():
     assert len(cases) == 2 * 2 * 5  # k = 1 once, k = 2 and 4 in both modes
 
 
+def test_benchmark_compares_checkpointed_cases_with_their_own_k1():
+    """With activation checkpointing, k > 1 is measured against k = 1 under checkpointing too."""
+    from benchmarks.accumulation import plan_cases, table
+    cases = plan_cases('gpt-100m', ['fsdp1'], [2], [1, 4], 2, 64, 0, 1, ac=True)
+    assert all(c['ac'] and '/ac/' in c['name'] for c in cases)
+
+    def result(ac, k, mode, peak):
+        peaks = dict(median=peak, min=peak, max=peak, n=1)
+        return dict(wrapper='fsdp1', ac=ac, world_size=2, warmup=1, steps=1, counts=k,
+                    mode=mode, params=1 << 20, peak_bytes=peaks,
+                    comm_send_bytes=dict(median=1.0), theory_comm_bytes=1.0)
+
+    rows = table([result(False, 1, 'sharded', 100 << 20), result(True, 1, 'sharded', 50 << 20),
+                  result(True, 4, 'sharded', 52 << 20)]).splitlines()
+    checkpointed = [r for r in rows if r.startswith('| fsdp1 + AC | 2 |')]
+    assert len(checkpointed) == 2 and '| 1.040 |' in checkpointed[-1]
+
+
 @pytest.mark.parametrize('kind', [FSDP1, FSDP2])
 def test_plan_gradient_bytes_follow_the_mode_when_accumulating(kind):
     from mmfsdp.plan import plan_for
