@@ -57,6 +57,8 @@ EXPLORED = {
     'trim1': "glibc's defaults + malloc_trim(0) after every iteration",
     'arena1': "glibc's defaults, one arena (arena_max=1)",
     'mmap 2 MiB': 'mmap_threshold=2 MiB, huge pages',
+    'release+trim1': 'the default + malloc_trim(0) after every iteration (trim_interval=1)',
+    'release+trim50': 'the default + malloc_trim(0) every 50 iterations (trim_interval=50)',
 }
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
@@ -267,17 +269,21 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
         return []
     with open(path) as f:
         explored = json.load(f)
-    lines = ['| run | N | load average | setting | FSDP1 FULL_SHARD peak above baseline MiB | '
+    lines = ['| run | N | steps | load average | setting | FSDP1 FULL_SHARD peak above baseline '
+             'MiB, median of steps | at the last step | '
              "FSDP step s | FSDP step / glibc's, same run | DDP peak MiB |",
-             '|---|---|---|---|---|---|---|---|']
+             '|---|---|---|---|---|---|---|---|---|---|']
     fsdp = 'FSDP1 FULL_SHARD'
     for run, n in dict.fromkeys((r['run'], r['world_size']) for r in explored['results']):
         rows = [r for r in explored['results']
                 if r['run'] == run and r['world_size'] == n and r['round'] != 'floor']
         loads = [r['load_before'] for r in rows]
         glibc_time = _pooled(rows, 'step_time_s', setting=GLIBC, strategy=fsdp)
+        name = run if rows[0]['model'] == 'gpt-100m' else f"{run} ({rows[0]['model']})"
         for setting in dict.fromkeys(r['setting'] for r in rows):
             peak = _pooled(rows, 'peak_bytes', setting=setting, strategy=fsdp)
+            last = [r['peak_bytes'][-1] for r in rows
+                    if r['setting'] == setting and r['strategy'] == fsdp]
             step = _pooled(rows, 'step_time_s', setting=setting, strategy=fsdp)
             ddp = _pooled(rows, 'peak_bytes', setting=setting, strategy='DDP')
             policy = next((r['policy'] for r in rows if r['setting'] == setting), None)
@@ -286,10 +292,13 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
                 label = ('mmap_threshold=1 MiB, huge pages (the default)'
                          if policy.get('huge_pages') else
                          'mmap_threshold=1 MiB (then the default; no huge pages yet)')
+            if not peak:  # a DDP-only setting
+                continue
+            ratio = f'{_median(step) / _median(glibc_time):.2f}' if glibc_time else '—'
             lines.append(
-                f'| {run} | {n} | {min(loads):.1f}–{max(loads):.1f} | {label} | '
-                f'{_median(peak) / MiB:,.0f} | {_median(step):.1f} | '
-                f"{_median(step) / _median(glibc_time):.2f} | "
+                f"| {name} | {n} | {rows[0]['steps']} | {min(loads):.1f}–{max(loads):.1f} | "
+                f'{label} | {_median(peak) / MiB:,.0f} | {_median(last) / MiB:,.0f} | '
+                f'{_median(step):.2f} | {ratio} | '
                 f"{f'{_median(ddp) / MiB:,.0f}' if ddp else '—'} |")
     return lines + (['', explored['note']] if explored.get('note') else [])
 
@@ -333,7 +342,8 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
     lines += _reading(data)
     explored = exploration_lines()
     if explored:
-        lines += ['**What else was tried** (same benchmark, gpt-100m, `--setting` arms, '
+        lines += ['**What else was tried** (same benchmark, gpt-100m unless the run names '
+                  'another model, `--setting` arms and earlier runs, '
                   '`benchmarks/results/allocator_explore.json`; wall-clock steps, medians over '
                   'the run\'s rounds):', ''] + explored + ['']
     return lines
@@ -354,9 +364,9 @@ def _reading(data: Dict[str, Any]) -> List[str]:
             f"- N = {n}: with glibc's defaults FSDP1 FULL_SHARD's net peak is "
             f"{f_g['net_peak_bytes'] / MiB:,.0f} MiB against DDP's "
             f"{d_g['net_peak_bytes'] / MiB:,.0f}"
-            f" ({glibc_row['net_peak_ratio']:.2f}×); with mmfsdp's default "
+            f" ({glibc_row['net_peak_ratio']:.3f}×); with mmfsdp's default "
             f"{f_m['net_peak_bytes'] / MiB:,.0f} against {d_m['net_peak_bytes'] / MiB:,.0f} "
-            f"({mine['net_peak_ratio']:.2f}×). FSDP's CPU time per step: "
+            f"({mine['net_peak_ratio']:.3f}×). FSDP's CPU time per step: "
             f"{_median(f_m['step_cpu_s']):.2f} s against {_median(f_g['step_cpu_s']):.2f} s"
             + (f' ({_median(cpu):.2f}×)' if cpu else '') + '; DDP\'s: '
             f"{_median(d_m['step_cpu_s']):.2f} s against {_median(d_g['step_cpu_s']):.2f} s.")
@@ -378,11 +388,12 @@ def _reading(data: Dict[str, Any]) -> List[str]:
         out.append(
             f'- Step-time goal not met at N = {", ".join(map(str, missed))} '
             f'({", ".join(f"{times[n]:.2f}×" for n in missed)}). No allocator setting tried '
-            'reaches both goals there (table below): the settings that keep the FSDP peak below '
-            'the goal map the large blocks afresh, and trimming after every iteration '
-            '(`trim_interval=1`) keeps the heap\'s reuse but leaves the peak of the step near '
-            'DDP\'s. Reusing FSDP\'s communication buffers across units (a cache inside the '
-            'wrapper) would avoid both costs; it is not built.')
+            'reaches both goals (table below): the settings that keep the FSDP peak below the '
+            'goal map the large blocks afresh and pay for the fresh pages; the ones that keep '
+            'them on the heap keep the peak near DDP\'s. Keeping freed blocks for reuse (a '
+            'caching CPU allocator, as CUDA has) would avoid both costs, but torch offers none '
+            'from Python, and FSDP frees its buffers by resizing their storages to zero, so a '
+            'cache inside the wrapper could not hand the same memory back; it is not built.')
     out.append('')
     return out
 

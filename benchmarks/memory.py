@@ -70,7 +70,7 @@ class _StepProbe(Hook):
         elapsed = time.perf_counter() - self._start
         self.records.append(dict(
             time_s=elapsed, peak_bytes=peak_rss_bytes(), state=dict(self._state),
-            comm=self.counter.snapshot(), loss=float(outputs['loss'])))
+            comm=self.counter.snapshot(), loss=outputs['loss'].item()))
 
 
 def plan_bytes(strategy: str, preset: str, world_size: int) -> Dict[str, Any]:

@@ -165,7 +165,7 @@ class _LossProbe(Hook):
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Any = None) -> None:
-        self.loss = float(outputs['loss'])
+        self.loss = outputs['loss'].item()
 
 
 def _runner_trainer(runner: Any) -> Trainer:

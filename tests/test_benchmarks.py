@@ -120,3 +120,22 @@ def test_report_rewrite_keeps_the_peak_truth_section_before_the_observations(smo
         text = doc.read_text()
         assert text.count(begin) == 1 and block in text
         assert text.index('## 11. The peers') < text.index(block) < text.index('## Observations')
+
+
+def test_allocator_exploration_names_the_model_and_leaves_missing_ratios_out(tmp_path):
+    """A run without a glibc arm has no step-time ratio; a run on another model says so."""
+    from benchmarks.allocator import exploration_lines
+
+    def job(setting, peaks):
+        return dict(run='explore9', world_size=2, model='gpt-25m', steps=len(peaks), round=0,
+                    strategy='FSDP1 FULL_SHARD', setting=setting, load_before=1.0,
+                    policy=dict(huge_pages=True), peak_bytes=[p << 20 for p in peaks],
+                    step_time_s=[1.0] * len(peaks))
+
+    path = tmp_path / 'explore.json'
+    path.write_text(json.dumps(dict(note='n', results=[job('mmfsdp default', [300, 320, 330]),
+                                                        job('release+trim1', [300, 310, 310])])))
+    rows = exploration_lines(str(path))[2:4]
+    assert rows[0].startswith('| explore9 (gpt-25m) | 2 | 3 |')
+    assert '| 320 | 330 | 1.00 | — |' in rows[0]
+    assert 'trim_interval=1' in rows[1] and '| 310 | 310 |' in rows[1]
