@@ -63,7 +63,12 @@ def _memory(result: Dict[str, Any]) -> Dict[str, Any]:
     peak = [max(r['peaks'][i] for r in ranks) for i in steps]
     state = [max(r['states'][i]['total'] for r in ranks) for i in steps]
     params = max(r['states'][-1]['params'] for r in ranks)
-    return dict(ok=True, peak=_summary(peak), state=_summary(state), params=params,
+    split = {}
+    if all('starts' in r for r in ranks):  # the resident set when each step began
+        split = dict(start=_summary([max(r['starts'][i] for r in ranks) for i in steps]),
+                     rise=_summary([max(r['peaks'][i] - r['starts'][i] for r in ranks)
+                                    for i in steps]))
+    return dict(ok=True, peak=_summary(peak), state=_summary(state), params=params, **split,
                 parts=ranks[0]['states'][-1], wrapper=ranks[0]['wrapper'],
                 notes=ranks[0].get('notes', ''))
 
@@ -137,6 +142,29 @@ def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool
                         f"{med:.3f} ({me['ratio']['min']:.3f}–{me['ratio']['max']:.3f}) "
                         f"over {me['ratio']['n']} rounds", med <= RATIO_GOAL))
     return out
+
+
+def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
+    """Each mmfsdp peak against its family's lowest peer, split at the step's start."""
+    by_label = {r['label']: r for r in rows}
+    parts = []
+    for fam, mine in MMFSDP.items():
+        me = by_label.get(mine)
+        peers = [r for r in rows if r['family'] == fam and r['label'] != mine and _equal(r)]
+        if not me or 'start' not in me['memory'] or not peers:
+            continue
+        low = min(peers, key=lambda r: _value(r, 'peak'))
+        if 'start' not in low['memory']:
+            continue
+        parts.append(
+            f"{mine} {_mib(me['memory']['start']['median'])} + "
+            f"{_mib(me['memory']['rise']['median'])} against {low['label']} "
+            f"{_mib(low['memory']['start']['median'])} + {_mib(low['memory']['rise']['median'])}")
+    if not parts:
+        return []
+    return ['Where the peak comes from: the resident set when the step began (above the '
+            'baseline) + what the step added to it, MiB, medians over the measured steps: '
+            + '; '.join(parts) + '.', '']
 
 
 def _equal(row: Dict[str, Any]) -> bool:
@@ -302,6 +330,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
         lines += [f"| {g} | {t} | {m} | {'**pass**' if ok else '**fail**'} |"
                   for g, t, m, ok in verdicts]
         lines.append('')
+    lines += _peak_split(rows)
     if img_dir:
         name = _plot(rows, img_dir)
         if name:

@@ -95,6 +95,25 @@ def test_report_says_the_interleaved_job_failed_and_times_nothing():
     assert 'The interleaved job failed' in text and 'FileNotFoundError: vis_data' in text
 
 
+def test_report_splits_each_peak_at_the_start_of_its_step():
+    """mmfsdp's peak against the lowest peer of its family: what was resident when the step
+    began, and what the step added (the first step, AdamW's state, left out)."""
+    mib = 1 << 20
+    half = dict(params=200, grads=200, optimizer=400, total=800)
+
+    def memory(arm, starts, peaks):
+        rank = dict(ok=True, peaks=[p * mib for p in peaks], starts=[s * mib for s in starts],
+                    losses=[1.0, 1.0, 1.0], states=[half] * 3, wrapper='W', notes='')
+        return dict(mode='memory', arms=[arm], model='gpt-tiny', params=100, batch_size=2,
+                    seq_len=16, steps=3, ranks=[rank, rank])
+
+    data = dict(mode='peers', nproc=2, results=[
+        memory('torch DDP', [0, 100, 102], [90, 130, 132]),
+        memory('mmfsdp DDP', [0, 104, 104], [95, 134, 136])])
+    text = '\n'.join(peers_report.peers_lines(data, img_dir=None))
+    assert 'mmfsdp DDP 104.0 + 31.0 against torch DDP 101.0 + 30.0' in text
+
+
 def test_report_section_replaces_only_its_own_lines(tmp_path):
     doc = tmp_path / 'benchmarks.md'  # a generator's section between hand-kept lines
     doc.write_text('\n'.join(['## 10. Before', 'kept', peers_report.TITLE, 'old table',
