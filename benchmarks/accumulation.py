@@ -246,9 +246,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                        args.batch_size, args.seq_len, args.warmup, args.steps,
                        args.activation_checkpointing)
     done: List[Dict[str, Any]] = []
+    kept: Dict[str, Any] = {}  # what a resumed file holds besides results (its notes)
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
-            done = json.load(f)['results']
+            kept = json.load(f)
+        done = kept.pop('results')
     names = {r['name'] for r in done}
     jobs: Dict[Any, List[Dict[str, Any]]] = {}
     for case in cases:
@@ -262,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         done.extend(torchrun(job, nproc, timeout=3600))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, 'w') as f:
-            json.dump(dict(results=done, packed=args.pack), f, indent=1)
+            json.dump(dict(kept, results=done, packed=args.pack), f, indent=1)
     print(table(done))
 
 
