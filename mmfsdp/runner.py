@@ -37,7 +37,7 @@ from .protocol import is_parallel_wrapper
 from .registry import RUNNERS
 from .scope import without_collate_scope
 from .startup import check_launcher
-from .teardown import shutdown_at_exit
+from .teardown import settle_at_exit, shutdown_at_exit
 from .together import fail_together
 from .wrappers.builder import (
     build_args,
@@ -64,7 +64,9 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
       call ``torch.cuda.set_device`` and fail on a CPU-only machine. A
       process whose group the runner started leaves through
       :mod:`mmfsdp.teardown` (groups destroyed, gloo's workers idle), so a
-      finished job does not abort in the interpreter's teardown.
+      finished job does not abort in the interpreter's teardown; where the
+      caller started the group, the runner only waits for the workers to be
+      idle at exit and leaves the groups to the caller.
     - **Fail fast**: ``model_wrapper_cfg`` is checked on every rank before the
       process group starts (and against the model once it is built), so a
       typo is an error everywhere, not a hang. Before the first collective
@@ -142,8 +144,9 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
                              offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
             shutdown_at_exit()
-        elif self.distributed:
-            set_current_device()  # a group started by the caller: still train on LOCAL_RANK's
+        elif self.distributed:  # a group started by the caller, who destroys it
+            set_current_device()  # still train on LOCAL_RANK's device
+            settle_at_exit()
         super().setup_env(env_cfg)
 
     def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:

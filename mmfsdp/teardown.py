@@ -15,17 +15,21 @@ this teardown aborted in 14 of 30 runs beside a test suite.
 group (a group nothing else references joins its threads), then waits, with
 the GIL released, until the gloo worker threads that are left (groups still
 referenced by wrapped modules) are idle. :class:`mmfsdp.FSDPRunner` registers
-it at exit when it starts the process group.
+it at exit when it starts the process group; when the caller started it, the
+runner registers :func:`settle_gloo_workers` alone: the groups are the
+caller's to destroy, but the workers of those its wrapped model holds must be
+idle before the interpreter finalizes all the same.
 """
 import atexit
 import time
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from .compat import gloo_worker_threads
 
-__all__ = ['settle_gloo_workers', 'shutdown_at_exit', 'shutdown_distributed']
+__all__ = ['registered_at_exit', 'settle_at_exit', 'settle_gloo_workers', 'shutdown_at_exit',
+           'shutdown_distributed']
 
 #: How long a worker must stay blocked, without running, to count as idle.
 QUIET_S = 0.005
@@ -76,6 +80,25 @@ def shutdown_distributed(timeout: float = 5.0) -> bool:
     return settle_gloo_workers(timeout)
 
 
+_AT_EXIT: List[Callable[..., bool]] = []
+
+
+def _once_at_exit(fn: Callable[..., bool]) -> None:
+    if fn not in _AT_EXIT:  # one registration per process, however many runners are built
+        _AT_EXIT.append(fn)
+        atexit.register(fn)
+
+
 def shutdown_at_exit() -> None:
     """Run :func:`shutdown_distributed` when the interpreter exits (before its finalization)."""
-    atexit.register(shutdown_distributed)
+    _once_at_exit(shutdown_distributed)
+
+
+def settle_at_exit() -> None:
+    """Run :func:`settle_gloo_workers` when the interpreter exits, destroying no group."""
+    _once_at_exit(settle_gloo_workers)
+
+
+def registered_at_exit() -> List[str]:
+    """The names of the teardown functions this process will run at exit, in registration order."""
+    return [fn.__name__ for fn in _AT_EXIT]

@@ -51,3 +51,21 @@ def test_groups_nothing_references_take_their_workers_with_them():
 
 def test_settling_without_gloo_workers_returns_at_once():
     assert gloo_worker_threads() == [] and settle_gloo_workers(timeout=0)
+
+
+def _runner_in_a_group_the_caller_started(work_dir):
+    from mmfsdp import FSDPRunner
+    from mmfsdp.teardown import registered_at_exit
+    from toy import runner_config
+    _init()  # the caller's group, as in a script or a notebook
+    before = registered_at_exit()
+    FSDPRunner.from_cfg(runner_config('caller-group', work_dir, batch_size=2)).train()
+    return dict(before=before, after=registered_at_exit(), initialized=dist.is_initialized())
+
+
+def test_runner_in_the_callers_group_settles_its_workers_at_exit_and_leaves_the_group(tmp_path):
+    """The group is the caller's to destroy, but the gloo workers of the groups the wrapped
+    model holds must be idle before the interpreter finalizes (the exit abort above)."""
+    for rank in run_distributed(_runner_in_a_group_the_caller_started, 2, str(tmp_path)):
+        assert rank['before'] == [] and rank['after'] == ['settle_gloo_workers']
+        assert rank['initialized']
