@@ -264,7 +264,8 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
     cases = plan_cases(args.model, args.arms, args.steps, args.timed_from, args.batch_size,
                        args.seq_len, args.memory_steps)
     data: Dict[str, Any] = dict(mode='peers', machine=machine(), nproc=args.nproc, results=[],
-                                started=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+                                started=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+                                options={k: v for k, v in vars(args).items() if k != 'out'})
     interleaved = dict(cases['interleaved'])
     if not args.skip_memory:
         for case in cases['memory']:
