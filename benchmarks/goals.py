@@ -103,6 +103,7 @@ def goals(res: Results) -> List[Goal]:
         bound = rows[0]['goal_bytes']
         out.append((f"Construction peak per rank, FSDP2 init_device='meta', {rows[0]['model']}, "
                     f'N = {n}', f'≤ shard + 2 × largest unit = {mib(bound)} MiB',
-                    f'{mib(worst)} MiB (worst of {len(rows)} processes × {n} ranks)',
+                    f"{mib(worst)} MiB (worst of {len(rows)} "
+                    f"process{'es' if len(rows) > 1 else ''} × {n} ranks)",
                     worst <= bound))
     return out

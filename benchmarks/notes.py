@@ -87,6 +87,20 @@ def observations(res: Any) -> List[str]:
                      'model-state ratio 1/N only as the model grows' +
                      (f'; {" and ".join(misses)} would miss the limits set for {PEAK_MODEL}.'
                       if misses else '.'))
+    fsdp1 = [r for r in res.of('construction') if r.get('wrapper') == 'fsdp1']
+    if fsdp1:
+        worst = {n: max(r['peak_bytes'] for r in fsdp1 if r['world_size'] == n)
+                 for n in sorted({r['world_size'] for r in fsdp1})}
+        r0 = fsdp1[0]
+        items.append(
+            '**FSDP1 construction on a CPU holds the full model** '
+            f'({r0["model"]}: '
+            + ', '.join(f'{peak / MIB:,.0f} MiB at N={n}' for n, peak in worst.items())
+            + f' = full model {r0["full_model_bytes"] / MIB:,.0f} + about one unit), eager or '
+            "meta: FSDP1 flattens whole tensors, so `init_device='meta'` materialises the model "
+            'on the CPU before wrapping and FSDP1 moves it to the device unit by unit. On an '
+            'accelerator only the shards and the unit in flight reach the device (bound: shard '
+            '+ 2 × largest unit); that device peak is not measured here (no GPU on this machine).')
     eager = [r for r in res.of('construction', init='eager')
              if r['peak_bytes'] >= r['full_model_bytes'] + 0.9 * r['shard_bytes']]
     if eager:

@@ -138,7 +138,8 @@ def run_suite(mode: str, out: str, resume: bool = False,
             if only is None or all(c['kind'] == only for c in job['cases'])]
     data = _load(out) if resume and os.path.exists(out) else None
     if data is None or data.get('mode') != mode:
-        data = dict(mode=mode, machine=machine(), results=[], jobs=[])
+        data = dict(mode=mode, machine=machine(), results=[], jobs=[],
+                    started=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
     data['out'] = os.path.relpath(out, REPO) if os.path.abspath(out).startswith(REPO) else out
     done = {r['name'] for r in data['results']}
     todo = [(i, job) for i, job in enumerate(jobs, 1)

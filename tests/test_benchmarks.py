@@ -139,3 +139,26 @@ def test_allocator_exploration_names_the_model_and_leaves_missing_ratios_out(tmp
     assert rows[0].startswith('| explore9 (gpt-25m) | 2 | 3 |')
     assert '| 320 | 330 | 1.00 | — |' in rows[0]
     assert 'trim_interval=1' in rows[1] and '| 310 | 310 |' in rows[1]
+
+
+@pytest.mark.parametrize('full_started, file_started, taken', [
+    (None, None, True),                       # both undated (before runs were dated)
+    ('2026-11-23 10:00 UTC', None, False),    # a dated full run is newer than an undated file
+    ('2026-11-23 10:00 UTC', '2026-11-23 11:00 UTC', True),
+    ('2026-11-23 12:00 UTC', '2026-11-23 11:00 UTC', False),
+])
+def test_report_takes_a_kind_measured_again_on_its_own_unless_the_full_run_is_newer(
+        tmp_path, full_started, file_started, taken):
+    from benchmarks.report import with_remeasured
+    old = dict(kind='construction', name='old')
+    other = dict(kind='memory', name='kept')
+    full = dict(results=[old, other], **({'started': full_started} if full_started else {}))
+    again = dict(results=[dict(kind='construction', name='new')], machine=dict(commit='abc'),
+                 jobs=[dict(load_before=1.5), dict(load_before=2.5)],
+                 **({'started': file_started} if file_started else {}))
+    (tmp_path / 'construction.json').write_text(json.dumps(again))
+    names = [r['name'] for r in with_remeasured(full, str(tmp_path))['results']]
+    assert names == (['kept', 'new'] if taken else ['old', 'kept'])
+    if taken:
+        source = with_remeasured(full, str(tmp_path))['results'][-1]['remeasured']
+        assert source == dict(file='construction.json', commit='abc', loads=(1.5, 2.5))
