@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .launch import REPO
-from .record import machine
+from .record import machine, utc_now
 from .workload import MODELS
 
 __all__ = ['ARMS', 'RESULTS', 'load', 'main', 'report', 'run_job', 'section_lines', 'summarize']
@@ -426,7 +426,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         arms = [tuple(a.split('/', 1)) for a in args.arms]
     data: Dict[str, Any] = dict(
         command='python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:]),
-        date_utc=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), machine=machine(),
+        date_utc=utc_now(), machine=machine(),
         machine_use=args.machine_use, results=[])
     for rnd in range(args.rounds):
         for n in args.world_sizes:
@@ -450,7 +450,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out, 'w') as f:
                     json.dump(data, f, indent=1)
-    data['date_end_utc'] = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    data['date_end_utc'] = utc_now()
     with open(args.out, 'w') as f:
         json.dump(data, f, indent=1)
     print(report(data))

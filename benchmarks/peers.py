@@ -259,12 +259,12 @@ def memory_ok(result: Dict[str, Any]) -> bool:
 
 def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
     """Every job of a peers run; the results file is written after each job."""
-    from .record import machine
+    from .record import machine, utc_now
     from .record import save_results as _save
     cases = plan_cases(args.model, args.arms, args.steps, args.timed_from, args.batch_size,
                        args.seq_len, args.memory_steps)
     data: Dict[str, Any] = dict(mode='peers', machine=machine(), nproc=args.nproc, results=[],
-                                started=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+                                started=utc_now(),
                                 options={k: v for k, v in vars(args).items() if k != 'out'})
     interleaved = dict(cases['interleaved'])
     if not args.skip_memory:

@@ -28,7 +28,7 @@ import time
 from typing import Any, Dict, List
 
 from .launch import REPO
-from .record import machine
+from .record import machine, utc_now
 
 __all__ = ['main', 'measure']
 
@@ -86,7 +86,7 @@ def main() -> None:
     names = ['demo', 'plan'] + ['suite'] * args.with_suite + ['install'] * args.with_install
     with tempfile.TemporaryDirectory() as work_dir:
         commands = _commands(work_dir)
-        data = dict(date_utc=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+        data = dict(date_utc=utc_now(),
                     machine=machine(), results=[])
         for name in names:
             print(f'{name}: {" ".join(commands[name])}', file=sys.stderr, flush=True)

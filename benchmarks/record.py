@@ -4,11 +4,18 @@ import os
 import platform
 import re
 import subprocess
+import time
 from typing import Any, Dict, Optional
 
 from .launch import REPO
 
-__all__ = ['machine', 'save_results']
+__all__ = ['machine', 'save_results', 'utc_now']
+
+
+def utc_now() -> str:
+    """The time now as results files record it, ``'YYYY-MM-DD HH:MM UTC'``: such stamps sort
+    as they read, so the report can tell which of two runs is newer."""
+    return time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
 
 
 def _git_commit() -> Optional[str]:

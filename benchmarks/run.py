@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .checkpoint_cost import TYPES as CHECKPOINT_TYPES
 from .checkpoint_cost import case as checkpoint_case
 from .launch import REPO, torchrun
-from .record import machine
+from .record import machine, utc_now
 from .record import save_results as _save
 from .workload import STRATEGIES
 
@@ -139,7 +139,7 @@ def run_suite(mode: str, out: str, resume: bool = False,
     data = _load(out) if resume and os.path.exists(out) else None
     if data is None or data.get('mode') != mode:
         data = dict(mode=mode, machine=machine(), results=[], jobs=[],
-                    started=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+                    started=utc_now())
     data['out'] = os.path.relpath(out, REPO) if os.path.abspath(out).startswith(REPO) else out
     done = {r['name'] for r in data['results']}
     todo = [(i, job) for i, job in enumerate(jobs, 1)
