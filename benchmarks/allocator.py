@@ -282,6 +282,8 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
         name = run if rows[0]['model'] == 'gpt-100m' else f"{run} ({rows[0]['model']})"
         for setting in dict.fromkeys(r['setting'] for r in rows):
             peak = _pooled(rows, 'peak_bytes', setting=setting, strategy=fsdp)
+            if not peak:  # a DDP-only setting
+                continue
             last = [r['peak_bytes'][-1] for r in rows
                     if r['setting'] == setting and r['strategy'] == fsdp]
             step = _pooled(rows, 'step_time_s', setting=setting, strategy=fsdp)
@@ -292,8 +294,6 @@ def exploration_lines(path: str = EXPLORATION) -> List[str]:
                 label = ('mmap_threshold=1 MiB, huge pages (the default)'
                          if policy.get('huge_pages') else
                          'mmap_threshold=1 MiB (then the default; no huge pages yet)')
-            if not peak:  # a DDP-only setting
-                continue
             ratio = f'{_median(step) / _median(glibc_time):.2f}' if glibc_time else '—'
             lines.append(
                 f"| {name} | {n} | {rows[0]['steps']} | {min(loads):.1f}–{max(loads):.1f} | "

@@ -125,7 +125,7 @@ def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool
         me = by_label.get(mine)
         if not me or not me['memory'].get('ok'):
             continue
-        peers = [r for r in rows if r['family'] == fam and r['label'] != mine and _equal(r)]
+        peers = _comparable_peers(rows, fam, mine)
         for key, name in (('state', 'model state'), ('peak', 'peak')):
             mine_v = me['memory'][key]['max' if key == 'state' else 'median']
             worst = max(peers, key=lambda r: mine_v / _value(r, key), default=None)
@@ -150,7 +150,7 @@ def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
     parts = []
     for fam, mine in MMFSDP.items():
         me = by_label.get(mine)
-        peers = [r for r in rows if r['family'] == fam and r['label'] != mine and _equal(r)]
+        peers = _comparable_peers(rows, fam, mine)
         if not me or 'start' not in me['memory'] or not peers:
             continue
         low = min(peers, key=lambda r: _value(r, 'peak'))
@@ -165,6 +165,12 @@ def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
     return ['Where the peak comes from: the resident set when the step began (above the '
             'baseline) + what the step added to it, MiB, medians over the measured steps: '
             + '; '.join(parts) + '.', '']
+
+
+def _comparable_peers(rows: List[Dict[str, Any]], fam: str, mine: str
+                      ) -> List[Dict[str, Any]]:
+    """The arms of family ``fam`` other than mmfsdp's ``mine`` that run at its settings."""
+    return [r for r in rows if r['family'] == fam and r['label'] != mine and _equal(r)]
 
 
 def _equal(row: Dict[str, Any]) -> bool:
