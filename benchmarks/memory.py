@@ -94,12 +94,14 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     strategy = STRATEGIES[case['strategy']]
     wrapper_cfg = dict(strategy.wrapper_cfg, **case.get('wrapper_options', {}))
     world = dist.get_world_size()
-    warm_up_bytes = warm_up(wrapper_cfg, case['name']) if case['warm_up'] else 0
+    allocator = case.get('cpu_allocator', 'release')  # env_cfg.cpu_allocator (workload.runner_cfg)
+    warm_up_bytes = warm_up(wrapper_cfg, case['name'], allocator) if case['warm_up'] else 0
     baseline = rss_bytes()  # before the model is built
     counter = CollectiveCounter()
     with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir, counter:
         cfg = runner_cfg(case['model'], wrapper_cfg, work_dir, case['name'],
-                         case['batch_size'], case['seq_len'], case['warmup'] + case['steps'])
+                         case['batch_size'], case['seq_len'], case['warmup'] + case['steps'],
+                         cpu_allocator=allocator)
         runner = make_runner(cfg)
         probe = _StepProbe(counter)
         runner.register_hook(probe, priority='VERY_LOW')

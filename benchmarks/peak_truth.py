@@ -36,7 +36,8 @@ def predict(case: Dict[str, Any]) -> Dict[str, Any]:
     from .workload import STRATEGIES, build_model, runner_cfg
     wrapper_cfg = dict(STRATEGIES[case['strategy']].wrapper_cfg, **case.get('wrapper_options', {}))
     cfg = runner_cfg(case['model'], wrapper_cfg, '/nonexistent', case['name'],
-                     case['batch_size'], case['seq_len'], 1)
+                     case['batch_size'], case['seq_len'], 1,
+                     cpu_allocator=case.get('cpu_allocator', 'release'))
     batch, size = config_batch(cfg.train_dataloader, 'mmengine')
     wrapper_cls = MODEL_WRAPPERS.get(wrapper_cfg['type'].split('.', 1)[-1])
     model = build_model(case['model'], 'meta')

@@ -1,4 +1,4 @@
-"""glibc malloc settings for training on the CPU, so that sharding saves resident memory.
+"""CPU memory settings for training on the CPU, so that sharding saves resident memory.
 
 On the CPU, torch allocates tensors with glibc's ``malloc``. With glibc's
 defaults, the buffers that FSDP frees every step (gathered units, unsharded
@@ -6,21 +6,31 @@ gradients, reduce-scatter inputs) mostly stay resident: glibc raises its mmap
 threshold to the size of the largest block freed (up to 32 MiB), so later
 blocks of that size come from the heap, whose freed memory is only returned
 when it sits at the top. Measured on gpt-25m at 2 ranks, every FSDP arm then
-peaked above DDP, and the resident set grew from step to step.
+peaked above DDP, and the resident set grew from step to step. Mapping each
+large block on its own (``'release'``) fixes the peak but makes the kernel
+zero a fresh page for every 4 KiB the next step touches.
 
-This module sets glibc's allocator once per process (``mallopt``), and can
-return freed heap memory after every training iteration (``malloc_trim``).
-What each choice costs is measured in ``docs/benchmarks.md`` (section 9, "CPU allocator").
+The default, ``'cache'``, routes tensors of 64 KiB and more through mmfsdp's
+caching CPU allocator (:mod:`mmfsdp.cpu_cache`): a freed block stays mapped
+for the next request of its size, and the cache never holds more than the
+most bytes ever live at once, so the peak is ``'release'``'s and the step
+reuses warm pages. This module also sets glibc's allocator once per process
+(``mallopt``), and can return freed heap memory after every training
+iteration (``malloc_trim``). What each choice costs is measured in
+``docs/benchmarks.md`` (section 9, "CPU allocator").
 
 Config (``env_cfg.cpu_allocator``), read by :class:`mmfsdp.FSDPRunner`::
 
-    env_cfg = dict(cpu_allocator='release')   # the default
+    env_cfg = dict(cpu_allocator='cache')     # the default
+    env_cfg = dict(cpu_allocator='release')   # glibc maps blocks of 1 MiB and more on their own
     env_cfg = dict(cpu_allocator='glibc')     # opt out: glibc's defaults
     env_cfg = dict(cpu_allocator=dict(mmap_threshold=1 << 20, trim_interval=0))
 
 The setting applies only when the process trains on the CPU on Linux with
 glibc; elsewhere (CUDA, whose caching allocator owns device memory; musl;
-macOS; Windows) it does nothing.
+macOS; Windows) it does nothing. Where the caching allocator cannot be built
+(no C++ compiler), the runner warns and keeps the rest of the policy, which
+for ``'cache'`` is ``'release'``.
 """
 import ctypes
 import logging
@@ -31,6 +41,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from mmengine.hooks import Hook
 
+from . import cpu_cache
 from .compat import enable_cpu_huge_pages
 
 __all__ = ['AllocatorPolicy', 'DEFAULT', 'MallocTrimHook', 'POLICIES', 'active_policy',
@@ -63,8 +74,13 @@ class AllocatorPolicy:
         arena_max: At most this many malloc arenas (``mallopt(M_ARENA_MAX)``);
             threads beyond share them. ``None``: glibc's (8 per core).
         huge_pages: Back tensors of 2 MiB and more with transparent huge
-            pages (torch's ``THP_MEM_ALLOC_ENABLE``): a block mapped on its own
-            then costs one page fault per 2 MiB instead of per 4 KiB.
+            pages (torch's ``THP_MEM_ALLOC_ENABLE``, and the caching
+            allocator's own blocks): a block mapped on its own then costs one
+            page fault per 2 MiB instead of per 4 KiB.
+        cache_min_bytes: Tensors of at least this many bytes come from
+            mmfsdp's caching CPU allocator (:mod:`mmfsdp.cpu_cache`), which
+            keeps freed blocks mapped for reuse within the live bytes'
+            high-water mark. ``None``: torch's allocator (glibc's ``malloc``).
 
     """
 
@@ -74,21 +90,26 @@ class AllocatorPolicy:
     trim_interval: int = 0
     arena_max: Optional[int] = None
     huge_pages: bool = False
+    cache_min_bytes: Optional[int] = None
 
     @property
     def changes_anything(self) -> bool:
         """Whether applying the policy calls glibc at all."""
         return (self.mmap_threshold is not None or self.trim_threshold is not None
-                or self.trim_interval > 0 or self.arena_max is not None or self.huge_pages)
+                or self.trim_interval > 0 or self.arena_max is not None or self.huge_pages
+                or self.cache_min_bytes is not None)
 
 
 #: The presets a config can name.
 POLICIES: Dict[str, AllocatorPolicy] = {
     'glibc': AllocatorPolicy('glibc'),
     'release': AllocatorPolicy('release', mmap_threshold=1 << 20, huge_pages=True),
+    'cache': AllocatorPolicy('cache', mmap_threshold=1 << 20, huge_pages=True,
+                             cache_min_bytes=64 << 10),
 }
-DEFAULT = 'release'
-_FIELDS = ('mmap_threshold', 'trim_threshold', 'trim_interval', 'arena_max', 'huge_pages')
+DEFAULT = 'cache'
+_FIELDS = ('mmap_threshold', 'trim_threshold', 'trim_interval', 'arena_max', 'huge_pages',
+           'cache_min_bytes')
 
 
 def resolve_cpu_allocator(value: Union[str, Mapping[str, Any], None]) -> AllocatorPolicy:
@@ -139,13 +160,16 @@ def glibc() -> Optional[ctypes.CDLL]:
 
 _active: Optional[AllocatorPolicy] = None
 _huge_pages = False
+_cache_missing = ''  # why the policy's caching allocator is not in force ('' if it is)
 
 
 def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[AllocatorPolicy]:
     """Set glibc's malloc for ``policy`` when training on the CPU; the policy now in force.
 
     Returns ``None`` (nothing set) off the CPU, without glibc, or for a policy
-    that changes nothing. Raises ``RuntimeError`` if glibc refuses a value.
+    that changes nothing. Raises ``RuntimeError`` if glibc refuses a value. A
+    caching allocator that cannot be built is not an error: the rest of the
+    policy applies, and :func:`log_active` warns.
     """
     global _active
     libc = glibc()
@@ -158,8 +182,12 @@ def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[Allocato
         if value is not None and libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
             raise RuntimeError(f'{KEY}.{field}: glibc refused {value} (mallopt returned 0); '
                                'glibc caps the mmap threshold at 32 MiB on 64-bit systems')
-    global _huge_pages
+    global _huge_pages, _cache_missing
     _huge_pages = policy.huge_pages and enable_cpu_huge_pages()
+    _cache_missing = ''
+    if policy.cache_min_bytes is not None:
+        installed = cpu_cache.install(policy.cache_min_bytes, policy.huge_pages)
+        _cache_missing = installed.reason
     _active = policy
     return policy
 
@@ -171,7 +199,8 @@ def active_policy() -> Optional[Dict[str, Any]]:
     return dict(name=_active.name, mmap_threshold=_active.mmap_threshold,
                 trim_threshold=_active.trim_threshold, trim_interval=_active.trim_interval,
                 arena_max=_active.arena_max, huge_pages=_active.huge_pages,
-                huge_pages_in_effect=_huge_pages)
+                huge_pages_in_effect=_huge_pages, cache_min_bytes=_active.cache_min_bytes,
+                cache_in_effect=_active.cache_min_bytes is not None and not _cache_missing)
 
 
 def describe_active() -> Optional[str]:
@@ -187,14 +216,19 @@ def describe_active() -> Optional[str]:
         parts.append('huge pages' if _huge_pages else
                      'huge pages NOT in effect: torch allocated CPU memory before the runner '
                      'started (set THP_MEM_ALLOC_ENABLE=1 in the environment instead)')
+    if _active.cache_min_bytes is not None:
+        parts.append(f'caching allocator for tensors of {_active.cache_min_bytes} bytes and more'
+                     if not _cache_missing else
+                     f'caching allocator NOT in effect: {_cache_missing}; freed blocks '
+                     "are unmapped as with 'release'")
     return f"{KEY}: {_active.name!r} ({', '.join(parts)})"
 
 
 def log_active(logger: logging.Logger) -> None:
-    """Log :func:`describe_active`'s line, if any: a warning when huge pages are not in effect."""
+    """Log :func:`describe_active`'s line, if any: a warning when a part is not in effect."""
     described = describe_active()
     if described is not None:
-        missing = _active.huge_pages and not _huge_pages
+        missing = (_active.huge_pages and not _huge_pages) or bool(_cache_missing)
         logger.log(logging.WARNING if missing else logging.INFO, described)
 
 

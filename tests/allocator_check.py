@@ -8,6 +8,8 @@ started with ``tools/dist_train.sh``. Before training, each rank:
 2. allocates an 8 MiB tensor, writes it, and reads glibc's count of mapped
    bytes (``mallinfo2().hblkhd``) and the resident set;
 3. frees it and reads the resident set again;
+4. allocates another 8 MiB tensor: does it take the freed block's address?
+   (With the caching allocator it does, and its counters show the block.)
 
 and writes what it saw to ``OUT_DIR/rank<R>.json``.
 """
@@ -48,15 +50,24 @@ class AllocatorCheckHook(Hook):
         self.out_dir = out_dir
 
     def before_train(self, runner: Any) -> None:
+        from mmfsdp import cpu_cache
         from mmfsdp.allocator import active_policy
+
+        def cached_live() -> int:
+            stats = cpu_cache.stats()
+            return 0 if stats is None else stats.live_bytes
+
         big = torch.ones(20 * MiB // 4)
         del big
-        mapped_before = mapped_bytes()
+        mapped_before, cached_before = mapped_bytes(), cached_live()
         block = torch.ones(8 * MiB // 4)
-        mapped_alive, rss_alive = mapped_bytes(), rss_bytes()
+        address = block.data_ptr()
+        mapped_alive, rss_alive, cached_alive = mapped_bytes(), rss_bytes(), cached_live()
         del block
         rss_freed = rss_bytes()
+        again = torch.ones(8 * MiB // 4)
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f'rank{runner.rank}.json'), 'w') as f:
             json.dump(dict(policy=active_policy(), mapped=mapped_alive - mapped_before,
-                           returned=rss_alive - rss_freed), f)
+                           returned=rss_alive - rss_freed, cached=cached_alive - cached_before,
+                           reused=again.data_ptr() == address), f)

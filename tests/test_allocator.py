@@ -2,9 +2,10 @@
 
 The resolver is checked in-process; the effect in real jobs started with
 ``tools/dist_train.sh`` (2 CPU processes, gloo), whose config imports
-``tests/allocator_check.py``: by default a freed 8 MiB tensor is mapped on its
-own and goes back to the system; with ``cpu_allocator='glibc'`` glibc's own
-rules keep it in the heap.
+``tests/allocator_check.py``: by default a freed 8 MiB tensor stays in mmfsdp's
+caching allocator and serves the next one; with ``'release'`` (and by default
+where no compiler can build the cache) it is mapped on its own and goes back
+to the system; with ``'glibc'`` glibc's own rules keep it in the heap.
 """
 import json
 import os
@@ -31,9 +32,11 @@ MiB = 1 << 20
 needs_glibc = pytest.mark.skipif(glibc() is None, reason='needs Linux with glibc')
 
 
-def test_default_is_the_release_preset():
-    assert resolve_cpu_allocator(None) is POLICIES[DEFAULT]
-    assert POLICIES[DEFAULT].mmap_threshold == 1 * MiB
+def test_default_is_the_cache_preset():
+    assert resolve_cpu_allocator(None) is POLICIES[DEFAULT] is POLICIES['cache']
+    assert POLICIES[DEFAULT].cache_min_bytes == 64 * 1024
+    # What is left where the cache cannot be built: 'release'.
+    assert POLICIES[DEFAULT].mmap_threshold == POLICIES['release'].mmap_threshold == 1 * MiB
 
 
 def test_opt_out_changes_nothing():
@@ -48,7 +51,8 @@ def test_custom_values_are_resolved():
 
 
 @pytest.mark.parametrize('value, error, words', [
-    ('fast', ValueError, ["env_cfg.cpu_allocator: 'fast'", "'glibc'", "'release'"]),
+    ('fast', ValueError, ["env_cfg.cpu_allocator: 'fast'", "'cache'", "'glibc'", "'release'"]),
+    (dict(cache_min_bytes=-1), ValueError, ['env_cfg.cpu_allocator.cache_min_bytes']),
     (1, TypeError, ['env_cfg.cpu_allocator', 'a preset name']),
     (dict(mmap=1), TypeError, ["unknown keys ['mmap']", 'mmap_threshold']),
     (dict(trim_interval=-1), ValueError, ['env_cfg.cpu_allocator.trim_interval', '-1']),
@@ -66,7 +70,8 @@ def test_accelerators_are_left_alone():
     assert apply_policy(POLICIES['release'], 'cuda') is None
 
 
-def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> Tuple[List[dict], str]:
+def _dist_train(tmp_path: Path, name: str, *cfg_options: str,
+                **env_vars: str) -> Tuple[List[dict], str]:
     """``bash tools/dist_train.sh`` on 2 processes, the check hook added; findings and log."""
     out_dir = tmp_path / name
     config = tmp_path / f'{name}.py'
@@ -78,26 +83,49 @@ def _dist_train(tmp_path: Path, name: str, *cfg_options: str) -> Tuple[List[dict
         'default_hooks = dict(checkpoint=dict(save_last=False))', '']))
     # The allocator settings of the test run must not reach the job.
     env = job_env(TESTS, unset=('MALLOC_*', 'GLIBC_TUNABLES', 'THP_MEM_ALLOC_ENABLE'),
-                  PYTHON=sys.executable, PORT=str(free_port()))
+                  PYTHON=sys.executable, PORT=str(free_port()), **env_vars)
     out = run_job(['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
                    str(tmp_path / f'work-{name}'), *cfg_options], env=env)
     return [json.loads((out_dir / f'rank{r}.json').read_text()) for r in range(2)], out
 
 
 @needs_glibc
-def test_documented_launch_returns_freed_blocks_and_opt_out_keeps_glibc(tmp_path):
-    default, log = _dist_train(tmp_path, 'default')
+def test_documented_launch_caches_freed_blocks_for_the_next_tensor(tmp_path):
+    found, log = _dist_train(tmp_path, 'default')
+    assert ("env_cfg.cpu_allocator: 'cache' (mmap_threshold=1048576, huge pages, caching "
+            'allocator for tensors of 65536 bytes and more)') in log
+    for rank, seen in enumerate(found):
+        assert seen['policy']['name'] == DEFAULT and seen['policy']['cache_in_effect'], seen
+        assert seen['cached'] >= 8 * MiB, f'rank {rank}: 8 MiB block not from the cache: {seen}'
+        assert seen['reused'], f'rank {rank}: the freed block did not serve the next: {seen}'
+
+
+@needs_glibc
+def test_release_returns_freed_blocks_and_opt_out_keeps_glibc(tmp_path):
+    release, log = _dist_train(tmp_path, 'release', '--cfg-options',
+                               'env_cfg.cpu_allocator=release')
     opt_out, opt_out_log = _dist_train(tmp_path, 'glibc', '--cfg-options',
                                        'env_cfg.cpu_allocator=glibc')
     assert "env_cfg.cpu_allocator: 'release' (mmap_threshold=1048576, huge pages)" in log
     assert 'env_cfg.cpu_allocator' not in opt_out_log
-    for rank, seen in enumerate(default):
-        assert seen['policy'] is not None and seen['policy']['name'] == DEFAULT, seen
+    for rank, seen in enumerate(release):
+        assert seen['policy'] is not None and seen['policy']['name'] == 'release', seen
         assert seen['mapped'] >= 8 * MiB, f'rank {rank}: 8 MiB block not mapped: {seen}'
         assert seen['returned'] >= 7 * MiB, f'rank {rank}: freed block stayed resident: {seen}'
     for rank, seen in enumerate(opt_out):
         assert seen['policy'] is None, seen
         assert seen['mapped'] == 0, f'rank {rank}: glibc mapped the block itself: {seen}'
+
+
+@needs_glibc
+def test_without_a_compiler_the_default_warns_and_returns_freed_blocks(tmp_path):
+    found, log = _dist_train(tmp_path, 'nocompiler', CXX=str(tmp_path / 'no-such-compiler'),
+                             XDG_CACHE_HOME=str(tmp_path / 'cache'))
+    assert 'WARNING' in log and 'caching allocator NOT in effect' in log
+    assert 'no-such-compiler' in log
+    for rank, seen in enumerate(found):
+        assert not seen['policy']['cache_in_effect'] and seen['cached'] == 0, seen
+        assert seen['mapped'] >= 8 * MiB and seen['returned'] >= 7 * MiB, (rank, seen)
 
 
 @needs_glibc

@@ -19,13 +19,17 @@ Measured (gpt-25m, FSDP2, 2 ranks, batch 2): with the threshold at 1 MiB the
 step peaks 20 MiB higher than at 64 KiB, where no activation is below it; the
 trace puts 16.7 MiB of its 32.7 MiB of activations below 1 MiB.
 
-The threshold is ``env_cfg.cpu_allocator``'s ``mmap_threshold`` (mmfsdp's
-default ``'release'``: 1 MiB). glibc's own setting (``'glibc'``, or a policy
-that sets no threshold) raises the threshold to the largest block freed, up to
-32 MiB on 64-bit systems; the plan takes 32 MiB, what a step sees once an
-earlier one has freed its gathered units. It then still leaves out that
-gathered units and unsharded gradients come from the heap as well
-(``docs/benchmarks.md``, section 9, "CPU allocator"): a lower bound there.
+The threshold is ``env_cfg.cpu_allocator``'s ``mmap_threshold``, or its
+``cache_min_bytes`` where that is lower: mmfsdp's caching CPU allocator keeps
+freed blocks for reuse but never more than the live bytes' high-water mark, so
+for the peak its blocks count as returned (the default ``'cache'``: 64 KiB;
+``'release'``: 1 MiB; where the cache cannot be built, ``'cache'`` falls back
+to 1 MiB). glibc's own setting (``'glibc'``, or a policy that sets no
+threshold) raises the threshold to the largest block freed, up to 32 MiB on
+64-bit systems; the plan takes 32 MiB, what a step sees once an earlier one has
+freed its gathered units. It then still leaves out that gathered units and
+unsharded gradients come from the heap as well (``docs/benchmarks.md``,
+section 9, "CPU allocator"): a lower bound there.
 """
 from typing import Any, Optional
 
@@ -47,6 +51,7 @@ def heap_threshold(device: str, cpu_allocator: Any = None) -> Optional[int]:
     if device != 'cpu':
         return None
     policy = resolve_cpu_allocator(cpu_allocator)
-    if policy.mmap_threshold is None:
-        return GLIBC_MAX_MMAP_THRESHOLD
-    return policy.mmap_threshold
+    threshold = GLIBC_MAX_MMAP_THRESHOLD if policy.mmap_threshold is None else policy.mmap_threshold
+    if policy.cache_min_bytes is not None:
+        threshold = min(threshold, policy.cache_min_bytes)
+    return threshold

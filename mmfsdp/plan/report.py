@@ -138,7 +138,7 @@ def format_step(step: StepPeak, max_units: int = 8) -> str:
           'creates them as it frees the activations, so the peak counts the larger of the two']
          if step.freed_grad_bytes else []) +
         ([f'CPU heap: {_size(step.heap_activation_bytes)} of the activations are in blocks '
-          f'below the mmap threshold ({_size(step.heap_threshold or 0)}) and stay resident '
+          f'below the heap threshold ({_size(step.heap_threshold or 0)}) and stay resident '
           'after backward frees them: counted apart from that comparison']
          if step.heap_activation_bytes and step.freed_grad_bytes else []) +
         ([f'CPU: gloo stages a whole unit ({_size(step.staging_bytes)}) in every all-gather '

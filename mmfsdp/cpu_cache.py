@@ -1,0 +1,162 @@
+"""A caching CPU allocator for torch, built on first use: FSDP's freed buffers are reused.
+
+On the CPU, each all-gather output, unsharded gradient and reduce-scatter
+input that FSDP frees goes back to glibc. Mapped on its own (the ``'release'``
+setting), a block leaves the resident set when freed, and the next block of
+that size costs the kernel a fresh, zeroed page per 4 KiB (or 2 MiB); left on
+glibc's heap, freed blocks stay resident and fragment, and the resident set
+creeps above DDP's. This allocator keeps each freed block mapped and hands it
+to the next request of its size, most recently freed first. It maps new
+memory only while the live plus the cached bytes stay within the most bytes
+ever live at once; past that it unmaps the least recently freed blocks,
+resizing the last of them in place (``mremap``) to the request. So its
+resident set peaks where ``'release'``'s does, and a loop that repeats its
+sizes step after step is served from warm pages.
+
+torch has no Python API for a CPU allocator, so the C++ source
+(``mmfsdp/csrc/caching_cpu_allocator.cpp``, one file, c10 headers only) is
+compiled with the system's C++ compiler (``$CXX``, else ``c++``) into
+``$XDG_CACHE_HOME/mmfsdp`` (else ``~/.cache/mmfsdp``) the first time a process
+asks for it (about a second; once per torch install), and installed with
+``c10::SetCPUAllocator``. Tensors below ``min_bytes`` keep torch's allocator.
+Where it cannot be built, :func:`install` says why and changes nothing.
+
+Used through ``env_cfg.cpu_allocator`` (:mod:`mmfsdp.allocator`), whose
+default ``'cache'`` installs it for tensors of 64 KiB and more::
+
+    env_cfg = dict(cpu_allocator='cache')
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ['CacheStats', 'InstallResult', 'install', 'installed', 'release', 'stats']
+
+SOURCE = Path(__file__).parent / 'csrc' / 'caching_cpu_allocator.cpp'
+#: The build takes about a second; a compiler still running after this is stopped.
+COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The allocator's counters since it was installed.
+
+    Attributes:
+        live_bytes: Handed out and not yet freed.
+        cached_bytes: Freed and still mapped, for the next request of their size.
+        high_water: The most bytes live at once: live + cached never exceeds it.
+        hits: Requests served by a cached block of their size.
+        resized: Requests served by resizing the least recently freed block.
+        mapped: Requests that mapped new memory.
+        unmapped: Cached blocks unmapped to stay within ``high_water``.
+        fresh_bytes: Bytes newly mapped (by ``mmap`` or by growing a block).
+
+    """
+
+    live_bytes: int
+    cached_bytes: int
+    high_water: int
+    hits: int
+    resized: int
+    mapped: int
+    unmapped: int
+    fresh_bytes: int
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    """Whether the allocator is in force, and if not, why."""
+
+    installed: bool
+    reason: str = ''
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return Path(root) / 'mmfsdp'
+
+
+def _library_path() -> Path:
+    """Where the build for this source and this torch lives: one per (source, torch) pair."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
+                         + torch.__file__.encode()).hexdigest()[:16]
+    return _cache_dir() / f'caching_cpu_allocator-{key}.so'
+
+
+def _compile(target: Path) -> None:
+    """Build the shared library into ``target`` (atomically: ranks may build at once)."""
+    compiler = os.environ.get('CXX') or shutil.which('c++') or shutil.which('g++')
+    if compiler is None:
+        raise OSError('no C++ compiler found (set CXX, or install g++)')
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', f'-D_GLIBCXX_USE_CXX11_ABI={abi}',
+               f'-I{torch_dir / "include"}', str(SOURCE), f'-L{torch_dir / "lib"}', '-lc10',
+               f'-Wl,-rpath,{torch_dir / "lib"}', '-o', tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as err:
+            raise OSError(f'{compiler} ran past {COMPILE_TIMEOUT_S} s') from err
+        if done.returncode != 0:
+            raise OSError(f'{" ".join(cmd)} failed:\n{done.stderr[-2000:]}')
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def install(min_bytes: int, huge_pages: bool) -> InstallResult:
+    """Route every later CPU allocation of ``min_bytes`` or more through the cache.
+
+    Once per process; a second call reports the first. Tensors allocated
+    before keep torch's allocator, so call it before the model is built.
+    """
+    global _lib
+    if _lib is not None:
+        return InstallResult(True)
+    path = _library_path()
+    try:
+        if not path.exists():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:
+        return InstallResult(False, f'could not be built: {err}')
+    lib.mmfsdp_cpu_cache_install.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    lib.mmfsdp_cpu_cache_release.restype = ctypes.c_size_t
+    lib.mmfsdp_cpu_cache_install(min_bytes, int(huge_pages))
+    _lib = lib
+    return InstallResult(True)
+
+
+def installed() -> bool:
+    """Whether this process allocates through the cache."""
+    return _lib is not None
+
+
+def stats() -> Optional[CacheStats]:
+    """The allocator's counters, ``None`` if it is not installed."""
+    if _lib is None:
+        return None
+    out = (ctypes.c_uint64 * len(fields(CacheStats)))()
+    _lib.mmfsdp_cpu_cache_stats(out)
+    return CacheStats(*out)
+
+
+def release() -> int:
+    """Unmap every cached (free) block; the bytes returned to the system."""
+    return 0 if _lib is None else int(_lib.mmfsdp_cpu_cache_release())
