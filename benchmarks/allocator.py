@@ -389,7 +389,7 @@ def _reading(data: Dict[str, Any]) -> List[str]:
         'afresh every time. The default keeps each freed block of 64 KiB and more mapped in '
         "mmfsdp's caching CPU allocator (`mmfsdp/cpu_cache.py`) for the next request of its "
         'size, and maps new memory only while live + cached bytes stay within the most ever '
-        "live at once: 'release''s peak, from warm pages."]
+        "live at once: the peak of 'release', from warm pages."]
     if met:
         out.append(f'- Step-time goal (≤ {TIME_GOAL:.2f} × the glibc-default step time, median '
                    f'of the per-round ratios) met at N = {", ".join(map(str, met))}.')

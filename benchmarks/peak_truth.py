@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from mmfsdp.allocator import POLICIES
+
 from .launch import REPO, JobFailed, torchrun
 
 GOAL = 0.10
@@ -61,12 +63,14 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
-def cases(quick: bool = False) -> List[Dict[str, Any]]:
+def cases(quick: bool = False, cpu_allocator: str = 'release') -> List[Dict[str, Any]]:
     """The grid: model x N x strategy x AC x batch (DDP has no checkpointing option).
 
     Most informative first (sharded world sizes, the larger batch), so that a
-    run cut short still covers every strategy and model.
+    run cut short still covers every strategy and model. ``cpu_allocator`` is
+    the runners' ``env_cfg.cpu_allocator`` (named in the case unless ``'release'``).
     """
+    suffix = '' if cpu_allocator == 'release' else f'/{cpu_allocator}'
     models = ['gpt-7m'] if quick else ['gpt-25m', 'gpt-100m']
     out = []
     for model in models:
@@ -76,9 +80,11 @@ def cases(quick: bool = False) -> List[Dict[str, Any]]:
                     for batch in (2, 8):
                         out.append(dict(
                             kind='peak', model=model, strategy=strategy, nproc=n,
-                            name=f'peak/{model}/N{n}/{strategy}/{"AC" if ac else "no-AC"}/b{batch}',
+                            name=f'peak/{model}/N{n}/{strategy}/{"AC" if ac else "no-AC"}/b{batch}'
+                                 f'{suffix}',
                             wrapper_options=dict(activation_checkpointing=AC) if ac else {},
-                            batch_size=batch, seq_len=64, warmup=1, steps=2, warm_up=True))
+                            batch_size=batch, seq_len=64, warmup=1, steps=2, warm_up=True,
+                            cpu_allocator=cpu_allocator))
     world_order = {2: 0, 4: 1, 1: 2}
     return sorted(out, key=lambda c: (world_order[c['nproc']], c['batch_size'] != 8,
                                       c['model'] != models[0], c['name']))
@@ -94,10 +100,11 @@ INTRO = """## 12. The plan's step peak against the measured peak
 `python -m benchmarks.peak_truth` (results: `benchmarks/results/peak_truth.json`) trains each case
 through `FSDPRunner` and measures it as section 2 does: the resident set's high-water mark of a
 training iteration above the resident set before the model was built (after the tiny-GPT warm-up,
-with `MALLOC_MMAP_THRESHOLD_=1048576`, the threshold `FSDPRunner`'s default
-`env_cfg.cpu_allocator='release'` sets too), the maximum over ranks, the median over the measured
-iterations (1 warm-up + 2 measured). "predicted" is `python -m mmfsdp.plan --device cpu`'s step
-peak for the same config, computed on the meta-device model without running it:
+with `MALLOC_MMAP_THRESHOLD_=1048576`, the threshold of `env_cfg.cpu_allocator='release'`,
+`FSDPRunner`'s default when these cases ran and pinned in their configs since), the maximum
+over ranks, the median over the measured iterations (1 warm-up + 2 measured). "predicted" is
+`python -m mmfsdp.plan --device cpu`'s step peak for the same config, computed on the
+meta-device model without running it:
 
     peak = model states (exact) - freed gradients
          + gathered units (2 x the largest unit's parameters + its unsharded gradient;
@@ -226,10 +233,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                         '(K runs side by side, each with its own --out)')
     parser.add_argument('--repredict', action='store_true', help='measure nothing: recompute '
                         'the predictions of the results in --out with the current code')
-    parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results',
-                                                      'peak_truth.json'))
+    parser.add_argument('--cpu-allocator', default='release', choices=sorted(POLICIES),
+                        help="the runners' env_cfg.cpu_allocator; the docs' table is 'release''s, "
+                             'another goes to peak_truth_<name>.json and no section is written')
+    parser.add_argument('--out', default=None, help='default: benchmarks/results/peak_truth.json')
     parser.add_argument('--report', default=os.path.join(REPO, 'docs', 'benchmarks.md'))
     args = parser.parse_args(argv)
+    release = args.cpu_allocator == 'release'
+    if args.out is None:
+        args.out = os.path.join(REPO, 'benchmarks', 'results', 'peak_truth.json' if release
+                                else f'peak_truth_{args.cpu_allocator}.json')
     results: List[Dict[str, Any]] = []
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
@@ -240,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         _save(results, args.out)
     done = {r['name'] for r in results}
     index, count = map(int, args.shard.split('/'))
-    todo = cases(args.quick)[index::count]
+    todo = cases(args.quick, args.cpu_allocator)[index::count]
     for case in todo if not args.repredict else []:
         if case['name'] in done or (args.only and args.only not in case['name']):
             continue
@@ -255,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"predicted {r['predicted']['peak_bytes'] / 2**20:.1f} MiB ({_error(r):+.1%})",
               file=sys.stderr, flush=True)
         _save(results, args.out)
-    if not args.quick:
+    if not args.quick and release:
         write_section(results, args.report)
     print(table(results))
 

@@ -187,7 +187,7 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
                                 train_cfg=dict(type='BenchmarkPeersLoop'))
         cfg.model = peer_model_cfg(preset, init_file)
         # Equal settings: every arm allocates as the job's environment says (Method);
-        # what mmfsdp's own default ('release') saves is the CPU allocator section's.
+        # what mmfsdp's own default ('cache') saves is the CPU allocator section's.
         cfg.env_cfg = dict(cfg.get('env_cfg', {}), cpu_allocator='glibc')
         return _runner_trainer(make_runner(cfg))
     return build
