@@ -47,12 +47,18 @@ ARM_LABELS = ['torch FSDP1', 'torch FSDP2', 'torch DDP', 'mmfsdp FSDP1', 'mmfsdp
 
 
 def plan_cases(model: str, arms: List[str], steps: int, timed_from: int, batch_size: int,
-               seq_len: int, memory_steps: int) -> Dict[str, Any]:
-    """The memory cases (one per arm) and the interleaved case of a run."""
+               seq_len: int, memory_steps: int, cpu_allocator: str = 'job') -> Dict[str, Any]:
+    """The memory cases (one per arm) and the interleaved case of a run.
+
+    ``cpu_allocator``: ``'job'``, every arm allocates as the job's environment
+    says (the mmfsdp arms opt out of their own setting); ``'cache'``, every
+    arm's processes install mmfsdp's caching CPU allocator first.
+    """
     unknown = [a for a in arms if a not in ARM_LABELS]
     if unknown:
         raise ValueError(f'--arms: {unknown} not among {ARM_LABELS}')
-    common = dict(kind='peers', model=model, batch_size=batch_size, seq_len=seq_len)
+    common = dict(kind='peers', model=model, batch_size=batch_size, seq_len=seq_len,
+                  cpu_allocator=cpu_allocator)
     memory = [dict(common, mode='memory', name=f'peers/memory/{model}/{arm}', arms=[arm],
                    steps=memory_steps, warm_up=True) for arm in arms]
     interleaved = dict(common, mode='interleaved', name=f'peers/interleaved/{model}',
@@ -208,6 +214,9 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
 
     import torch.distributed as dist
     work_dir = _shared_dir()
+    if case.get('cpu_allocator') == 'cache':  # before any arm allocates: the same for all
+        from mmfsdp.allocator import POLICIES, apply_policy
+        apply_policy(POLICIES['cache'], 'cpu')
     try:
         if case['mode'] == 'memory':
             local = _memory_case(case, work_dir)
@@ -262,7 +271,7 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
     from .record import machine, utc_now
     from .record import save_results as _save
     cases = plan_cases(args.model, args.arms, args.steps, args.timed_from, args.batch_size,
-                       args.seq_len, args.memory_steps)
+                       args.seq_len, args.memory_steps, args.cpu_allocator)
     data: Dict[str, Any] = dict(mode='peers', machine=machine(), nproc=args.nproc, results=[],
                                 started=utc_now(),
                                 options={k: v for k, v in vars(args).items() if k != 'out'})
@@ -273,7 +282,8 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
             _save(args.out, data)
         interleaved['arms'] = [c['arms'][0] for c, r in zip(cases['memory'], data['results'])
                                if memory_ok(r)]
-    data['results'].append(_run_job(interleaved, args.nproc, False, 3 * args.timeout, log))
+    if not args.skip_interleaved:
+        data['results'].append(_run_job(interleaved, args.nproc, False, 3 * args.timeout, log))
     data['elapsed_s'] = sum(r['job_wall_s'] for r in data['results'])
     _save(args.out, data)
     return data
@@ -295,6 +305,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--arms', nargs='+', default=ARM_LABELS, metavar='ARM',
                    help=f'subset of {ARM_LABELS}')
     p.add_argument('--skip-memory', action='store_true', help='only the interleaved job')
+    p.add_argument('--skip-interleaved', action='store_true', help='only the memory jobs')
+    p.add_argument('--cpu-allocator', choices=['job', 'cache'], default='job',
+                   help="'job': as the job's environment says, for every arm; 'cache': every "
+                        "arm's processes install mmfsdp's caching CPU allocator first")
     p.add_argument('--timeout', type=float, default=600, help='seconds per memory job')
     p.add_argument('--out', default=RESULTS, help='results JSON')
     return p

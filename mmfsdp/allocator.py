@@ -45,8 +45,8 @@ from . import cpu_cache
 from .compat import enable_cpu_huge_pages
 
 __all__ = ['AllocatorPolicy', 'DEFAULT', 'MallocTrimHook', 'POLICIES', 'active_policy',
-           'apply_policy', 'describe_active', 'glibc', 'log_active', 'malloc_trim',
-           'resolve_cpu_allocator']
+           'apply_policy', 'cache_in_effect', 'describe_active', 'glibc', 'log_active',
+           'malloc_trim', 'resolve_cpu_allocator']
 
 KEY = 'env_cfg.cpu_allocator'
 
@@ -200,7 +200,12 @@ def active_policy() -> Optional[Dict[str, Any]]:
                 trim_threshold=_active.trim_threshold, trim_interval=_active.trim_interval,
                 arena_max=_active.arena_max, huge_pages=_active.huge_pages,
                 huge_pages_in_effect=_huge_pages, cache_min_bytes=_active.cache_min_bytes,
-                cache_in_effect=_active.cache_min_bytes is not None and not _cache_missing)
+                cache_in_effect=cache_in_effect())
+
+
+def cache_in_effect() -> bool:
+    """Whether the policy in force serves tensors from mmfsdp's caching CPU allocator."""
+    return _active is not None and _active.cache_min_bytes is not None and not _cache_missing
 
 
 def describe_active() -> Optional[str]:

@@ -11,7 +11,9 @@ memory only while the live plus the cached bytes stay within the most bytes
 ever live at once; past that it unmaps the least recently freed blocks,
 resizing the last of them in place (``mremap``) to the request. So its
 resident set peaks where ``'release'``'s does, and a loop that repeats its
-sizes step after step is served from warm pages.
+sizes step after step is served from warm pages. "Ever" is two windows: the
+runner ends one after every training iteration (:func:`mark`), so a one-off
+peak (building the model, a checkpoint) is not kept cached through training.
 
 torch has no Python API for a CPU allocator, so the C++ source
 (``mmfsdp/csrc/caching_cpu_allocator.cpp``, one file, c10 headers only) is
@@ -34,11 +36,13 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from mmengine.hooks import Hook
 
-__all__ = ['CacheStats', 'InstallResult', 'install', 'installed', 'release', 'stats']
+__all__ = ['CacheStats', 'CacheWindowHook', 'InstallResult', 'install', 'installed', 'mark',
+           'release', 'stats']
 
 SOURCE = Path(__file__).parent / 'csrc' / 'caching_cpu_allocator.cpp'
 #: The build takes about a second; a compiler still running after this is stopped.
@@ -52,7 +56,9 @@ class CacheStats:
     Attributes:
         live_bytes: Handed out and not yet freed.
         cached_bytes: Freed and still mapped, for the next request of their size.
-        high_water: The most bytes live at once: live + cached never exceeds it.
+        high_water: The most bytes live at once since the allocator was installed.
+        bound: Live + cached stays within this: the most bytes live at once in
+            this window or the one before (:func:`mark` ends a window).
         hits: Requests served by a cached block of their size.
         resized: Requests served by resizing the least recently freed block.
         mapped: Requests that mapped new memory.
@@ -64,6 +70,7 @@ class CacheStats:
     live_bytes: int
     cached_bytes: int
     high_water: int
+    bound: int
     hits: int
     resized: int
     mapped: int
@@ -138,6 +145,7 @@ def install(min_bytes: int, huge_pages: bool) -> InstallResult:
         return InstallResult(False, f'could not be built: {err}')
     lib.mmfsdp_cpu_cache_install.argtypes = [ctypes.c_size_t, ctypes.c_int]
     lib.mmfsdp_cpu_cache_release.restype = ctypes.c_size_t
+    lib.mmfsdp_cpu_cache_mark.restype = ctypes.c_size_t
     lib.mmfsdp_cpu_cache_install(min_bytes, int(huge_pages))
     _lib = lib
     return InstallResult(True)
@@ -157,6 +165,30 @@ def stats() -> Optional[CacheStats]:
     return CacheStats(*out)
 
 
+def mark() -> int:
+    """End a window: unmap the cached blocks beyond the most bytes live in it; bytes returned.
+
+    Called after every training iteration (:class:`CacheWindowHook`), so that
+    what a one-off peak (building the model, loading or saving a checkpoint)
+    left cached is given back one iteration later instead of staying resident.
+    """
+    return 0 if _lib is None else int(_lib.mmfsdp_cpu_cache_mark())
+
+
 def release() -> int:
-    """Unmap every cached (free) block; the bytes returned to the system."""
+    """Unmap every cached (free) block and start a window; the bytes returned to the system."""
     return 0 if _lib is None else int(_lib.mmfsdp_cpu_cache_release())
+
+
+class CacheWindowHook(Hook):
+    """Ends the cache's window (:func:`mark`) after every training iteration.
+
+    Registered by :class:`mmfsdp.FSDPRunner` when the caching allocator is in
+    force, at the lowest priority: after the checkpoint hook, so that a save's
+    peak falls in its iteration's window.
+    """
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None:
+        """Mark the end of the iteration's window."""
+        mark()

@@ -10,12 +10,19 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
-from .allocator import MallocTrimHook, apply_policy, log_active, resolve_cpu_allocator
+from .allocator import (
+    MallocTrimHook,
+    apply_policy,
+    cache_in_effect,
+    log_active,
+    resolve_cpu_allocator,
+)
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .compat import RunnerSteps, load_from, resume_requested
+from .cpu_cache import CacheWindowHook
 from .device_draws import draws_on
 from .dist import current_device, init_distributed, set_current_device
 from .ema import configures_ema
@@ -150,11 +157,17 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         super().setup_env(env_cfg)
 
     def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
-        """The stock hooks, plus ``malloc_trim`` after training iterations if configured."""
+        """The stock hooks, plus the CPU allocator's after training iterations, if any.
+
+        ``malloc_trim`` every ``trim_interval`` iterations; the end of the caching
+        allocator's window after every iteration (:func:`mmfsdp.cpu_cache.mark`).
+        """
         super().register_hooks(default_hooks, custom_hooks)
         log_active(self.logger)
         if self._cpu_allocator is not None and self._cpu_allocator.trim_interval:
             self.register_hook(MallocTrimHook(self._cpu_allocator.trim_interval), 'LOW')
+        if cache_in_effect():
+            self.register_hook(CacheWindowHook(), 'LOWEST')
 
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, Dict], seed: Optional[int] = None,

@@ -70,4 +70,6 @@ class AllocatorCheckHook(Hook):
         with open(os.path.join(self.out_dir, f'rank{runner.rank}.json'), 'w') as f:
             json.dump(dict(policy=active_policy(), mapped=mapped_alive - mapped_before,
                            returned=rss_alive - rss_freed, cached=cached_alive - cached_before,
-                           reused=again.data_ptr() == address), f)
+                           reused=again.data_ptr() == address,
+                           window_hook=any(type(h).__name__ == 'CacheWindowHook'
+                                           for h in runner.hooks)), f)

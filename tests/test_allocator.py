@@ -98,6 +98,7 @@ def test_documented_launch_caches_freed_blocks_for_the_next_tensor(tmp_path):
         assert seen['policy']['name'] == DEFAULT and seen['policy']['cache_in_effect'], seen
         assert seen['cached'] >= 8 * MiB, f'rank {rank}: 8 MiB block not from the cache: {seen}'
         assert seen['reused'], f'rank {rank}: the freed block did not serve the next: {seen}'
+        assert seen['window_hook'], f'rank {rank}: no CacheWindowHook ends the windows: {seen}'
 
 
 @needs_glibc
@@ -125,6 +126,7 @@ def test_without_a_compiler_the_default_warns_and_returns_freed_blocks(tmp_path)
     assert 'no-such-compiler' in log
     for rank, seen in enumerate(found):
         assert not seen['policy']['cache_in_effect'] and seen['cached'] == 0, seen
+        assert not seen['window_hook'], seen
         assert seen['mapped'] >= 8 * MiB and seen['returned'] >= 7 * MiB, (rank, seen)
 
 

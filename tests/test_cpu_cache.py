@@ -65,7 +65,7 @@ def _observe() -> Dict[str, Any]:
     seen['gelu_grad_finite'] = bool(x.grad.isfinite().all())
     del x, y, reference
 
-    # Live + cached never exceeds the most ever live at once, whatever the order.
+    # Live + cached never exceeds the bound, nor the bound the most ever live, whatever the order.
     rng = random.Random(0)
     live, worst = [], 0
     for _ in range(400):
@@ -75,7 +75,8 @@ def _observe() -> Dict[str, Any]:
             live.append(torch.empty(rng.choice([64 << 10, 300 << 10, MiB, 3 * MiB, 7 * MiB]),
                                     dtype=torch.uint8))
         c = _counters()
-        worst = max(worst, c['live_bytes'] + c['cached_bytes'] - c['high_water'])
+        worst = max(worst, c['live_bytes'] + c['cached_bytes'] - c['bound'],
+                    c['bound'] - c['high_water'])
     seen['bound_excess'] = worst
     del live
 
@@ -88,6 +89,20 @@ def _observe() -> Dict[str, Any]:
         finally:
             os._exit(0 if ok else 1)
     seen['fork_child_status'] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    # A one-off peak stays cached through its window and the next, then is unmapped.
+    cpu_cache.release()
+    spike, step = torch.ones(32 * MiB // 4), torch.ones(MiB // 4)
+    del spike, step  # the spike's window: 33 MiB live at once, now all cached
+    cached_spike = _counters()['cached_bytes']
+    freed_first = cpu_cache.mark()  # the bound is still the spike's
+    step = torch.ones(MiB // 4)  # the next window: 1 MiB at once, from the cache
+    del step
+    rss_before = _rss()
+    freed_second = cpu_cache.mark()
+    seen['window'] = dict(cached_spike=cached_spike, freed_first=freed_first,
+                          freed_second=freed_second, bound=_counters()['bound'],
+                          rss_returned=rss_before - _rss())
 
     # release() hands every cached block back to the system.
     block = torch.ones(16 * MiB // 4)
@@ -124,11 +139,18 @@ def test_kernels_with_raw_scratch_buffers_compute_correctly(seen):
 
 def test_the_cache_never_holds_more_than_the_live_high_water_mark(seen):
     excess = seen['bound_excess']
-    assert excess <= 0, f'live + cached exceeded the high-water mark by {excess} bytes'
+    assert excess <= 0, f'live + cached exceeded the bound (or it the high-water) by {excess}'
 
 
 def test_a_forked_child_allocates_through_its_copy(seen):
     assert seen['fork_child_status'] == 0
+
+
+def test_a_one_off_peak_is_unmapped_two_windows_later(seen):
+    window = seen['window']
+    assert window['cached_spike'] >= 33 * MiB and window['freed_first'] == 0, window
+    assert window['freed_second'] >= 32 * MiB and window['bound'] < 2 * MiB, window
+    assert window['rss_returned'] >= 30 * MiB, window
 
 
 def test_release_returns_the_cached_blocks_to_the_system(seen):

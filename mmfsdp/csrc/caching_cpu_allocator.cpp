@@ -4,12 +4,15 @@
 // it stays mapped in a cache, and the next request of the same (page-rounded)
 // size takes it back, most recently freed first: no system call, no fresh page.
 // The cache is bounded by the high-water mark of the live bytes: memory is
-// mapped only while live + cached stays at or below the most ever live at
-// once. Past that, the least recently freed blocks go first, the last of them
-// resized in place (mremap) to the request, so its pages are kept.
-// The resident set of these blocks therefore peaks where it would if each
-// block were unmapped when freed, while a training loop that repeats its
-// sizes step after step is served from the cache.
+// mapped only while live + cached stays at or below the most live at once in
+// this window or the one before. Past that, the least recently freed blocks
+// go first, the last of them resized in place (mremap) to the request, so its
+// pages are kept. The resident set of these blocks therefore peaks where it
+// would if each block were unmapped when freed, while a training loop that
+// repeats its sizes step after step is served from the cache. A window ends
+// at mark() (the runner marks every training iteration): what a one-off
+// spike left cached (building the model, loading or saving a checkpoint) is
+// unmapped one window later.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Device.h>
@@ -35,7 +38,8 @@ size_t round_to_page(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 struct Stats {
   uint64_t live_bytes = 0;       // handed out, not yet freed
   uint64_t cached_bytes = 0;     // freed, still mapped
-  uint64_t high_water = 0;       // the most live bytes at once: the cache's bound
+  uint64_t high_water = 0;       // the most live bytes at once, ever
+  uint64_t bound = 0;            // live + cached stays within this: the windows' high-water
   uint64_t hits = 0;             // requests served by a cached block of their size
   uint64_t resized = 0;          // requests served by resizing a cached block
   uint64_t mapped = 0;           // requests that mapped new memory
@@ -69,12 +73,30 @@ class CachingCPUAllocator final : public c10::Allocator {
     return stats_;
   }
 
-  // Unmaps every cached block; the bytes returned to the system.
+  // Unmaps every cached block and starts a window; the bytes returned to the system.
   size_t release() {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t bytes = stats_.cached_bytes;
     while (!lru_.empty()) unmap(pop_oldest());
+    previous_window_high_ = window_high_ = stats_.live_bytes;
+    update_bound();
     return bytes;
+  }
+
+  // Ends a window: the bound becomes the most live in it, and the least recently
+  // freed blocks beyond that are unmapped; the bytes returned to the system.
+  size_t mark() {
+    std::lock_guard<std::mutex> lock(mu_);
+    previous_window_high_ = window_high_;
+    window_high_ = stats_.live_bytes;
+    update_bound();
+    size_t freed = 0;
+    while (!lru_.empty() && stats_.live_bytes + stats_.cached_bytes > stats_.bound) {
+      const Block oldest = pop_oldest();
+      unmap(oldest);
+      freed += oldest.size;
+    }
+    return freed;
   }
 
   static CachingCPUAllocator* instance;
@@ -106,6 +128,10 @@ class CachingCPUAllocator final : public c10::Allocator {
     sizes_.emplace(p, size);
     stats_.live_bytes += size;
     if (stats_.live_bytes > stats_.high_water) stats_.high_water = stats_.live_bytes;
+    if (stats_.live_bytes > window_high_) {
+      window_high_ = stats_.live_bytes;
+      update_bound();
+    }
     return p;
   }
 
@@ -113,7 +139,7 @@ class CachingCPUAllocator final : public c10::Allocator {
   // first; the block whose eviction would make room is resized instead.
   void* make_room_and_map(size_t size) {
     // The live high-water may rise by this request; the bound rises with it.
-    const uint64_t bound = std::max(stats_.high_water, stats_.live_bytes + size);
+    const uint64_t bound = std::max(stats_.bound, stats_.live_bytes + size);
     while (!lru_.empty() && stats_.live_bytes + stats_.cached_bytes + size > bound) {
       Block oldest = pop_oldest();
       if (stats_.live_bytes + stats_.cached_bytes + size <= bound) {  // resizing it fits
@@ -188,6 +214,8 @@ class CachingCPUAllocator final : public c10::Allocator {
     if (queue.empty()) by_size_.erase(same);
   }
 
+  void update_bound() { stats_.bound = std::max(previous_window_high_, window_high_); }
+
   void unmap(const Block& block) {
     munmap(block.p, block.size);
     ++stats_.unmapped;
@@ -204,6 +232,8 @@ class CachingCPUAllocator final : public c10::Allocator {
   Lru lru_;
   std::unordered_map<size_t, std::deque<Lru::iterator>> by_size_;  // oldest first
   std::unordered_map<void*, size_t> sizes_;                         // live blocks
+  uint64_t window_high_ = 0;           // the most live bytes at once since mark()
+  uint64_t previous_window_high_ = 0;  // ... in the window before
   Stats stats_;
 };
 
@@ -230,10 +260,14 @@ int mmfsdp_cpu_cache_install(size_t min_bytes, int huge_pages) {
 int mmfsdp_cpu_cache_stats(uint64_t* out) {
   if (CachingCPUAllocator::instance == nullptr) return 1;
   const Stats s = CachingCPUAllocator::instance->stats();
-  const uint64_t values[] = {s.live_bytes, s.cached_bytes, s.high_water, s.hits,
+  const uint64_t values[] = {s.live_bytes, s.cached_bytes, s.high_water, s.bound,    s.hits,
                              s.resized,    s.mapped,       s.unmapped,   s.fresh_bytes};
   for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); ++i) out[i] = values[i];
   return 0;
+}
+
+size_t mmfsdp_cpu_cache_mark() {
+  return CachingCPUAllocator::instance == nullptr ? 0 : CachingCPUAllocator::instance->mark();
 }
 
 size_t mmfsdp_cpu_cache_release() {
