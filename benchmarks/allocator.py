@@ -62,7 +62,8 @@ EXPLORED = {
     'cache v1 1m': 'caching allocator, first version (unmapped cached blocks on every miss), '
                    'tensors of 1 MiB and more',
     'cache v1 64k': 'caching allocator, first version, tensors of 64 KiB and more',
-    'cache64k': "caching allocator, tensors of 64 KiB and more ('cache', since the default)",
+    'cache64k': "caching allocator, tensors of 64 KiB and more ('cache' before its per-iteration "
+                'bound)',
 }
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
@@ -388,8 +389,8 @@ def _reading(data: Dict[str, Any]) -> List[str]:
         'cache) keeps the peak at the live tensors but is zero-filled and page-faulted in '
         'afresh every time. The default keeps each freed block of 64 KiB and more mapped in '
         "mmfsdp's caching CPU allocator (`mmfsdp/cpu_cache.py`) for the next request of its "
-        'size, and maps new memory only while live + cached bytes stay within the most ever '
-        "live at once: the peak of 'release', from warm pages."]
+        'size, and maps new memory only while live + cached bytes stay within the most live at '
+        "once in this iteration or the one before: the peak of 'release', from warm pages."]
     if met:
         out.append(f'- Step-time goal (≤ {TIME_GOAL:.2f} × the glibc-default step time, median '
                    f'of the per-round ratios) met at N = {", ".join(map(str, met))}.')

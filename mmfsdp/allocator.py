@@ -12,12 +12,12 @@ zero a fresh page for every 4 KiB the next step touches.
 
 The default, ``'cache'``, routes tensors of 64 KiB and more through mmfsdp's
 caching CPU allocator (:mod:`mmfsdp.cpu_cache`): a freed block stays mapped
-for the next request of its size, and the cache never holds more than the
-most bytes ever live at once, so the peak is ``'release'``'s and the step
-reuses warm pages. This module also sets glibc's allocator once per process
-(``mallopt``), and can return freed heap memory after every training
-iteration (``malloc_trim``). What each choice costs is measured in
-``docs/benchmarks.md`` (section 9, "CPU allocator").
+for the next request of its size, and live + cached bytes never exceed the
+most live at once in this training iteration or the one before, so the peak
+is ``'release'``'s and the step reuses warm pages. This module also sets
+glibc's allocator once per process (``mallopt``), and can return freed heap
+memory after every training iteration (``malloc_trim``). What each choice
+costs is measured in ``docs/benchmarks.md`` (section 9, "CPU allocator").
 
 Config (``env_cfg.cpu_allocator``), read by :class:`mmfsdp.FSDPRunner`::
 
