@@ -59,6 +59,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         result['kind'] = 'peak'
         result['wrapper_options'] = case.get('wrapper_options', {})
         result['activation_checkpointing'] = bool(result['wrapper_options'])
+        result['cpu_allocator'] = case.get('cpu_allocator', 'release')
         result['predicted'] = predict(dict(case, world_size=dist.get_world_size()))
     return result
 
@@ -200,16 +201,46 @@ def table(results: List[Dict[str, Any]]) -> str:
     return '\n'.join(rows)
 
 
-def write_section(results: List[Dict[str, Any]], path: str) -> None:
-    """Replace the text between the markers of ``path`` with the table."""
+def other_allocator_lines(paths: List[str]) -> List[str]:
+    """One line per run under another ``--cpu-allocator``: how many cases are within 10 %."""
+    lines = []
+    for path in paths:
+        with open(path) as f:
+            results = json.load(f)
+        if not results:
+            continue
+        allocator = os.path.basename(path)[len('peak_truth_'):-len('.json')]
+        errors = sorted(_error(r) for r in results)
+        passed = sum(abs(e) <= GOAL for e in errors)
+        models = sorted({r['model'] for r in results})
+        lines.append(f"Under `env_cfg.cpu_allocator='{allocator}'` (`--cpu-allocator {allocator}`, "
+                     f'`benchmarks/results/{os.path.basename(path)}`, {", ".join(models)}): '
+                     f'**{passed} of {len(results)} cases within 10 %**, errors '
+                     f'{errors[0]:+.1%} to {errors[-1]:+.1%}.')
+    return lines
+
+
+def write_section(results: List[Dict[str, Any]], path: str,
+                  others: Optional[List[str]] = None) -> None:
+    """Replace the text between the markers of ``path`` with the table.
+
+    ``others``: results files of runs under other allocators (default: every
+    ``peak_truth_<allocator>.json`` beside ``peak_truth.json``), one line each.
+    """
+    if others is None:
+        results_dir = os.path.join(REPO, 'benchmarks', 'results')
+        others = sorted(os.path.join(results_dir, name) for name in os.listdir(results_dir)
+                        if name.startswith('peak_truth_') and name.endswith('.json'))
     with open(path) as f:
         text = f.read()
     if BEGIN not in text:
         raise ValueError(f'{path} has no {BEGIN} marker')
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
+    extra = other_allocator_lines(others)
+    body = table(results) + ('\n\n' + '\n'.join(extra) if extra else '')
     with open(path, 'w') as f:
-        f.write(f'{head}{BEGIN}\n{table(results)}\n{END}{tail}')
+        f.write(f'{head}{BEGIN}\n{body}\n{END}{tail}')
 
 
 def _save(results: List[Dict[str, Any]], path: str) -> None:

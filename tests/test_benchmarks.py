@@ -162,3 +162,22 @@ def test_report_takes_a_kind_measured_again_on_its_own_unless_the_full_run_is_ne
     if taken:
         source = with_remeasured(full, str(tmp_path))['results'][-1]['remeasured']
         assert source == dict(file='construction.json', commit='abc', loads=(1.5, 2.5))
+
+
+def test_peak_truth_section_adds_a_line_per_run_under_another_allocator(tmp_path):
+    from benchmarks.peak_truth import BEGIN, END, write_section
+
+    def result(name: str, measured: int, predicted: int) -> dict:
+        return dict(name=name, model='gpt-25m', peak_bytes=dict(median=measured),
+                    predicted=dict(peak_bytes=predicted))
+    other = tmp_path / 'peak_truth_cache.json'
+    other.write_text(json.dumps([result('a/cache', 100, 104), result('b/cache', 100, 80)]))
+    doc = tmp_path / 'doc.md'
+    doc.write_text(f'head\n{BEGIN}\nthe previous section\n{END}\ntail\n')
+    write_section([], str(doc), others=[str(other)])
+    text = doc.read_text()
+    assert ("Under `env_cfg.cpu_allocator='cache'` (`--cpu-allocator cache`, "
+            '`benchmarks/results/peak_truth_cache.json`, gpt-25m): **1 of 2 cases within 10 %**, '
+            'errors -20.0% to +4.0%.') in text
+    assert text.startswith('head\n') and text.endswith(f'{END}\ntail\n')
+    assert 'the previous section' not in text
