@@ -26,6 +26,7 @@ from . import (
     overhead,
     peak_truth,
     peers,
+    tensor_peaks,
 )
 from .job import dump_stacks_on_signal
 from .workload import threads_per_rank
@@ -33,7 +34,8 @@ from .workload import threads_per_rank
 KINDS = dict(memory=memory.run_case, overhead=overhead.run_case,
              construction=construction.run_case, checkpoint=checkpoint_cost.run_case,
              agreement=agreement.run_case, peers=peers.run_case,
-             accumulation=accumulation.run_case, peak=peak_truth.run_case)
+             accumulation=accumulation.run_case, peak=peak_truth.run_case,
+             tensor_peak=tensor_peaks.run_case)
 
 
 def main() -> None:

@@ -130,3 +130,19 @@ def test_every_runner_a_job_builds_gets_its_own_experiment_name():
     built in the same second as the previous one must not write into its deleted directory."""
     from benchmarks.peer_arms import experiment_name
     assert experiment_name('mmfsdp FSDP1') != experiment_name('mmfsdp FSDP1')
+
+
+def test_mmfsdp_ddp_adds_the_same_tensor_bytes_within_a_step_as_torch_ddp():
+    """benchmarks/tensor_peaks.py: tensors of 4 KiB and more, counted by mmfsdp's cache.
+
+    Within each step mmfsdp DDP's tensors rise exactly as hand-written torch DDP's;
+    between steps it holds at most its runner's (unused) dataset index more.
+    """
+    case = dict(kind='tensor_peak', model='gpt-tiny', steps=3, batch_size=2, seq_len=16)
+    torch_ddp, mmfsdp_ddp = (torchrun([dict(case, arm=arm)], nproc=2, timeout=240,
+                                      exact_allocator=True)[0]
+                             for arm in ('torch DDP', 'mmfsdp DDP'))
+    for rank, (mine, theirs) in enumerate(zip(mmfsdp_ddp['ranks'], torch_ddp['ranks'])):
+        for step, (m, t) in enumerate(zip(mine, theirs)):
+            assert m['peak'] - m['start'] == t['peak'] - t['start'], (rank, step, m, t)
+            assert 0 <= m['start'] - t['start'] <= 256 << 10, (rank, step, m, t)
