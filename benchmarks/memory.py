@@ -31,6 +31,7 @@ from .comm import CollectiveCounter, ddp_counting_hook
 from .measure import model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, summary
 from .workload import (
     BYTES_PER_ELEMENT,
+    MEASURED_ALLOCATOR,
     STRATEGIES,
     build_model,
     make_runner,
@@ -94,7 +95,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     strategy = STRATEGIES[case['strategy']]
     wrapper_cfg = dict(strategy.wrapper_cfg, **case.get('wrapper_options', {}))
     world = dist.get_world_size()
-    allocator = case.get('cpu_allocator', 'release')  # env_cfg.cpu_allocator (workload.runner_cfg)
+    allocator = case.get('cpu_allocator', MEASURED_ALLOCATOR)
     warm_up_bytes = warm_up(wrapper_cfg, case['name'], allocator) if case['warm_up'] else 0
     baseline = rss_bytes()  # before the model is built
     counter = CollectiveCounter()

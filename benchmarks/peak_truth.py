@@ -14,6 +14,7 @@ table between the ``peak-truth`` markers of ``docs/benchmarks.md`` is rewritten.
 Goal: |predicted - measured| <= 10 % of measured on every case.
 """
 import argparse
+import glob
 import json
 import os
 import sys
@@ -22,8 +23,10 @@ from typing import Any, Dict, List, Optional
 from mmfsdp.allocator import POLICIES
 
 from .launch import REPO, JobFailed, torchrun
+from .workload import MEASURED_ALLOCATOR
 
 GOAL = 0.10
+RESULTS_DIR = os.path.join(REPO, 'benchmarks', 'results')
 AC = dict(layer_cls=['TransformerBlock'])
 STRATEGY_NAMES = ['DDP', 'FSDP1 FULL_SHARD', 'FSDP2 reshard']
 BEGIN, END = '<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'
@@ -39,7 +42,7 @@ def predict(case: Dict[str, Any]) -> Dict[str, Any]:
     wrapper_cfg = dict(STRATEGIES[case['strategy']].wrapper_cfg, **case.get('wrapper_options', {}))
     cfg = runner_cfg(case['model'], wrapper_cfg, '/nonexistent', case['name'],
                      case['batch_size'], case['seq_len'], 1,
-                     cpu_allocator=case.get('cpu_allocator', 'release'))
+                     cpu_allocator=case.get('cpu_allocator', MEASURED_ALLOCATOR))
     batch, size = config_batch(cfg.train_dataloader, 'mmengine')
     wrapper_cls = MODEL_WRAPPERS.get(wrapper_cfg['type'].split('.', 1)[-1])
     model = build_model(case['model'], 'meta')
@@ -59,19 +62,19 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         result['kind'] = 'peak'
         result['wrapper_options'] = case.get('wrapper_options', {})
         result['activation_checkpointing'] = bool(result['wrapper_options'])
-        result['cpu_allocator'] = case.get('cpu_allocator', 'release')
+        result['cpu_allocator'] = case.get('cpu_allocator', MEASURED_ALLOCATOR)
         result['predicted'] = predict(dict(case, world_size=dist.get_world_size()))
     return result
 
 
-def cases(quick: bool = False, cpu_allocator: str = 'release') -> List[Dict[str, Any]]:
+def cases(quick: bool = False, cpu_allocator: str = MEASURED_ALLOCATOR) -> List[Dict[str, Any]]:
     """The grid: model x N x strategy x AC x batch (DDP has no checkpointing option).
 
     Most informative first (sharded world sizes, the larger batch), so that a
     run cut short still covers every strategy and model. ``cpu_allocator`` is
-    the runners' ``env_cfg.cpu_allocator`` (named in the case unless ``'release'``).
+    the runners' ``env_cfg.cpu_allocator`` (named in the case unless the measured one).
     """
-    suffix = '' if cpu_allocator == 'release' else f'/{cpu_allocator}'
+    suffix = '' if cpu_allocator == MEASURED_ALLOCATOR else f'/{cpu_allocator}'
     models = ['gpt-7m'] if quick else ['gpt-25m', 'gpt-100m']
     out = []
     for model in models:
@@ -201,6 +204,12 @@ def table(results: List[Dict[str, Any]]) -> str:
     return '\n'.join(rows)
 
 
+def results_path(cpu_allocator: str = MEASURED_ALLOCATOR) -> str:
+    """``peak_truth.json`` for the measured allocator, ``peak_truth_<name>.json`` for another."""
+    name = '' if cpu_allocator == MEASURED_ALLOCATOR else f'_{cpu_allocator}'
+    return os.path.join(RESULTS_DIR, f'peak_truth{name}.json')
+
+
 def other_allocator_lines(paths: List[str]) -> List[str]:
     """One line per run under another ``--cpu-allocator``: how many cases are within 10 %."""
     lines = []
@@ -209,7 +218,7 @@ def other_allocator_lines(paths: List[str]) -> List[str]:
             results = json.load(f)
         if not results:
             continue
-        allocator = os.path.basename(path)[len('peak_truth_'):-len('.json')]
+        allocator = os.path.basename(path)[len('peak_truth_'):-len('.json')]  # results_path
         errors = sorted(_error(r) for r in results)
         passed = sum(abs(e) <= GOAL for e in errors)
         models = sorted({r['model'] for r in results})
@@ -228,9 +237,7 @@ def write_section(results: List[Dict[str, Any]], path: str,
     ``peak_truth_<allocator>.json`` beside ``peak_truth.json``), one line each.
     """
     if others is None:
-        results_dir = os.path.join(REPO, 'benchmarks', 'results')
-        others = sorted(os.path.join(results_dir, name) for name in os.listdir(results_dir)
-                        if name.startswith('peak_truth_') and name.endswith('.json'))
+        others = sorted(glob.glob(results_path('*')))
     with open(path) as f:
         text = f.read()
     if BEGIN not in text:
@@ -264,16 +271,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                         '(K runs side by side, each with its own --out)')
     parser.add_argument('--repredict', action='store_true', help='measure nothing: recompute '
                         'the predictions of the results in --out with the current code')
-    parser.add_argument('--cpu-allocator', default='release', choices=sorted(POLICIES),
+    parser.add_argument('--cpu-allocator', default=MEASURED_ALLOCATOR, choices=sorted(POLICIES),
                         help="the runners' env_cfg.cpu_allocator; the docs' table is 'release''s, "
                              'another goes to peak_truth_<name>.json and no section is written')
-    parser.add_argument('--out', default=None, help='default: benchmarks/results/peak_truth.json')
+    parser.add_argument('--out', default=None,
+                        help='default: benchmarks/results/peak_truth[_<allocator>].json')
     parser.add_argument('--report', default=os.path.join(REPO, 'docs', 'benchmarks.md'))
     args = parser.parse_args(argv)
-    release = args.cpu_allocator == 'release'
+    measured = args.cpu_allocator == MEASURED_ALLOCATOR
     if args.out is None:
-        args.out = os.path.join(REPO, 'benchmarks', 'results', 'peak_truth.json' if release
-                                else f'peak_truth_{args.cpu_allocator}.json')
+        args.out = results_path(args.cpu_allocator)
     results: List[Dict[str, Any]] = []
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
@@ -299,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"predicted {r['predicted']['peak_bytes'] / 2**20:.1f} MiB ({_error(r):+.1%})",
               file=sys.stderr, flush=True)
         _save(results, args.out)
-    if not args.quick and release:
+    if not args.quick and measured:
         write_section(results, args.report)
     print(table(results))
 

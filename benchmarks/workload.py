@@ -101,17 +101,21 @@ def build_model(preset: str, device: Optional[str] = None) -> Any:
         return GPT(VOCAB_SIZE, BLOCK_SIZE, **MODELS[preset])
 
 
+#: ``env_cfg.cpu_allocator`` of the benchmarks' runners: a freed block of 1 MiB or more leaves
+#: the resident set at once, so a resident-set peak measures the live tensors.
+MEASURED_ALLOCATOR = 'release'
+
+
 def runner_cfg(preset: str, wrapper_cfg: Dict[str, Any], work_dir: str, name: str,
                batch_size: int, seq_len: int, max_iters: int,
-               train_cfg: Optional[Dict[str, Any]] = None, cpu_allocator: Any = 'release') -> Any:
+               train_cfg: Optional[Dict[str, Any]] = None,
+               cpu_allocator: Any = MEASURED_ALLOCATOR) -> Any:
     """An FSDPRunner config: the demo GPT on the stdlib corpus, AdamW, no checkpoints.
 
     ``train_cfg`` (a loop with a ``type``) replaces the iteration-based loop.
-    ``cpu_allocator`` is ``env_cfg.cpu_allocator``: ``'release'`` by default,
-    under which a freed block of 1 MiB or more leaves the resident set at once,
-    so that a resident-set peak measures the live tensors (every section but the
-    CPU allocator's, which measures mmfsdp's default through the documented
-    launch, was measured so).
+    ``cpu_allocator`` is ``env_cfg.cpu_allocator``, :data:`MEASURED_ALLOCATOR`
+    by default (every section but the CPU allocator's, which measures mmfsdp's
+    default through the documented launch, was measured so).
     """
     from mmengine.config import Config
     train = dict(train_cfg) if train_cfg else dict(by_epoch=False, max_iters=max_iters)
@@ -137,7 +141,8 @@ def make_runner(cfg: Any) -> Any:
     return mmfsdp.FSDPRunner.from_cfg(cfg)
 
 
-def warm_up(wrapper_cfg: Dict[str, Any], name: str, cpu_allocator: Any = 'release') -> int:
+def warm_up(wrapper_cfg: Dict[str, Any], name: str,
+            cpu_allocator: Any = MEASURED_ALLOCATOR) -> int:
     """Train the tiny GPT for one step under ``wrapper_cfg``; return the resident-set growth.
 
     Everything that does not depend on the model's size is paid here, before a

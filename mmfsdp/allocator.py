@@ -79,8 +79,9 @@ class AllocatorPolicy:
             page fault per 2 MiB instead of per 4 KiB.
         cache_min_bytes: Tensors of at least this many bytes come from
             mmfsdp's caching CPU allocator (:mod:`mmfsdp.cpu_cache`), which
-            keeps freed blocks mapped for reuse within the live bytes'
-            high-water mark. ``None``: torch's allocator (glibc's ``malloc``).
+            keeps freed blocks mapped for reuse within the most bytes live at
+            once in this training iteration or the one before. ``None``:
+            torch's allocator (glibc's ``malloc``).
 
     """
 

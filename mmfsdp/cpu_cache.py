@@ -8,12 +8,12 @@ glibc's heap, freed blocks stay resident and fragment, and the resident set
 creeps above DDP's. This allocator keeps each freed block mapped and hands it
 to the next request of its size, most recently freed first. It maps new
 memory only while the live plus the cached bytes stay within the most bytes
-ever live at once; past that it unmaps the least recently freed blocks,
-resizing the last of them in place (``mremap``) to the request. So its
-resident set peaks where ``'release'``'s does, and a loop that repeats its
-sizes step after step is served from warm pages. "Ever" is two windows: the
-runner ends one after every training iteration (:func:`mark`), so a one-off
-peak (building the model, a checkpoint) is not kept cached through training.
+live at once in this window or the one before; past that it unmaps the least
+recently freed blocks, resizing the last of them in place (``mremap``) to the
+request. So its resident set peaks where ``'release'``'s does, and a loop that
+repeats its sizes step after step is served from warm pages. The runner ends
+a window after every training iteration (:func:`mark`), so a one-off peak
+(building the model, a checkpoint) is not kept cached through training.
 
 torch has no Python API for a CPU allocator, so the C++ source
 (``mmfsdp/csrc/caching_cpu_allocator.cpp``, one file, c10 headers only) is
