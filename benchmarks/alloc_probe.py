@@ -53,8 +53,7 @@ class AllocProbeHook(Hook):
         self._before_train_bytes = rss_bytes()
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        reset_peak_rss()
-        self._start_bytes = rss_bytes()
+        self._start_bytes = reset_peak_rss()
         self._start_cpu = _cpu_seconds()
         self._start = time.perf_counter()
 

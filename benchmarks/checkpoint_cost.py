@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes, summary
+from .measure import peak_rss_bytes, reset_peak_rss, summary
 from .workload import STRATEGIES, make_runner, runner_cfg
 
 __all__ = ['TYPES', 'case', 'run_case']
@@ -59,8 +59,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         path = os.path.join(work_dir, 'iter_1.pth')
         saves: List[float] = []
         loads: List[float] = []
-        before_save = rss_bytes()
-        reset_peak_rss()
+        before_save = reset_peak_rss()
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
@@ -68,8 +67,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
             dist.barrier()
             saves.append(time.perf_counter() - start)
         peak_save = peak_rss_bytes() - before_save
-        before_load = rss_bytes()
-        reset_peak_rss()
+        before_load = reset_peak_rss()
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()

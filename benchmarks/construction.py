@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import torch.distributed as dist
 from mmengine.hooks import Hook
 
-from .measure import model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from .measure import model_state_bytes, peak_rss_bytes, reset_peak_rss
 from .workload import (
     BYTES_PER_ELEMENT,
     STRATEGIES,
@@ -81,8 +81,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         wrapper_cfg['init_device'] = 'meta'
     world = dist.get_world_size()
     warm_up_bytes = warm_up(wrapper_cfg, case['name'])
-    baseline = rss_bytes()
-    reset_peak_rss()
+    baseline = reset_peak_rss()
     with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir:
         cfg = runner_cfg(case['model'], wrapper_cfg, work_dir, case['name'], 1, 16, 0)
         runner = make_runner(cfg)

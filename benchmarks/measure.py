@@ -36,10 +36,17 @@ def peak_rss_bytes() -> int:
     return _status_bytes('VmHWM')
 
 
-def reset_peak_rss() -> None:
-    """Reset the high-water mark to the current resident set."""
+def reset_peak_rss() -> int:
+    """Reset the high-water mark to the current resident set, and return it.
+
+    A baseline for a later :func:`peak_rss_bytes` is this return value, not an
+    earlier :func:`rss_bytes`: the kernel's resident-set counters can fall
+    between two reads (its per-thread counts are folded in late), so a peak
+    measured against an earlier read could come out below it.
+    """
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')
+    return peak_rss_bytes()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -156,8 +156,7 @@ def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
         peaks, starts, losses = [], [], []
         for batch in batches:
             dist.barrier()
-            reset_peak_rss()
-            starts.append(rss_bytes() - baseline)
+            starts.append(reset_peak_rss() - baseline)
             losses.append(trainer.step(batch))
             peaks.append(peak_rss_bytes() - baseline)
         probe.remove()
