@@ -186,6 +186,7 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
                                 experiment_name(label), 1, 16, 0,
                                 train_cfg=dict(type='BenchmarkPeersLoop'))
         cfg.model = peer_model_cfg(preset, init_file)
+        cfg.train_dataloader = _train_dataloader()
         # Equal settings: every arm allocates as the job's environment says (Method);
         # what mmfsdp's own default ('cache') saves is the CPU allocator section's.
         cfg.env_cfg = dict(cfg.get('env_cfg', {}), cpu_allocator='glibc')
@@ -194,8 +195,13 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
 
 
 def _train_dataloader() -> Dict[str, Any]:
-    # Built by the runners (their loops need one), never iterated: batches come from the caller.
-    return dict(dataset=dict(type='mmfsdp.StdlibCharDataset', block_size=16, max_chars=20_000),
+    """The runner arms' dataloader: built (their loops need one), never iterated.
+
+    Batches come from the caller, made before the baseline for every arm, so
+    the dataset holds 1 KiB of text: the runner arms do not pay for a dataset
+    that the plain loops have no part of.
+    """
+    return dict(dataset=dict(type='mmfsdp.StdlibCharDataset', block_size=16, max_chars=1024),
                 sampler=dict(type='DefaultSampler', shuffle=False),
                 collate_fn=dict(type='default_collate'), batch_size=1, num_workers=0)
 

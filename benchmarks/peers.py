@@ -132,6 +132,16 @@ def _timed_step(trainer: Any, batch: Dict[str, Any]) -> tuple:
     return time.perf_counter() - start, loss
 
 
+def _warm_up(label: str, seq_len: int, work_dir: str) -> None:
+    """One step of the tiny GPT under arm ``label``, released: pays, before a
+    baseline, what does not depend on the model (imports, first-use caches)."""
+    from . import peer_arms
+    tiny = peer_arms.build(label, 'gpt-tiny', _init_file(work_dir, 'gpt-tiny'),
+                           os.path.join(work_dir, 'warm-up'))
+    tiny.step(_batches(seq_len, 1, 1)[0])
+    peer_arms.release(tiny)
+
+
 def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     from . import peer_arms
     from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -140,12 +150,8 @@ def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     out: Dict[str, Any] = dict(ok=True)
     trainer, stage = None, 'warm-up (gpt-tiny)'
     try:
-        if case['warm_up']:  # pays what does not depend on the model before the baseline
-            tiny = peer_arms.build(label, 'gpt-tiny', _init_file(work_dir, 'gpt-tiny'),
-                                   os.path.join(work_dir, 'warm-up'))
-            tiny.step(_batches(case['seq_len'], 1, 1)[0])
-            peer_arms.release(tiny)
-            del tiny
+        if case['warm_up']:
+            _warm_up(label, case['seq_len'], work_dir)
         batches = _batches(case['seq_len'], case['batch_size'], case['steps'])
         init = _init_file(work_dir, case['model'])
         stage = 'build'

@@ -3,7 +3,9 @@
 :mod:`benchmarks.peers` writes that file (one memory job per arm, one
 interleaved job); :func:`benchmarks.report.render` adds this section when the
 file exists. ``notes`` in the file are observations recorded by hand beside a
-run (e.g. from a probe run), printed as they are.
+run (e.g. from a probe run), printed as they are. Where
+``benchmarks/results/tensor_peaks.json`` exists (:mod:`benchmarks.tensor_peaks`),
+its exact tensor counts of the same arms add a table and a goal per family.
 """
 import json
 import os
@@ -14,6 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ['RESULTS', 'arm_rows', 'goals', 'load', 'peers_lines']
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'peers.json')
+#: :mod:`benchmarks.tensor_peaks`' results: the same arms' tensor bytes, counted exactly.
+TENSOR_RESULTS = os.path.join(os.path.dirname(RESULTS), 'tensor_peaks.json')
 MIB = 2**20
 #: The hand-written torch arm of each family (the ratios' denominator).
 REFERENCE = {'fsdp1': 'torch FSDP1', 'fsdp2': 'torch FSDP2', 'ddp': 'torch DDP'}
@@ -28,7 +32,7 @@ TITLE = '## 11. The peers side by side'
 
 
 def load(path: str = RESULTS) -> Optional[Dict[str, Any]]:
-    """The recorded peers run (``None`` when the file is absent)."""
+    """The recorded peers (or tensor peaks) run (``None`` when the file is absent)."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -142,6 +146,70 @@ def goals(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, str, Optional[bool
                         f"{med:.3f} ({me['ratio']['min']:.3f}–{me['ratio']['max']:.3f}) "
                         f"over {me['ratio']['n']} rounds", med <= RATIO_GOAL))
     return out
+
+
+def tensor_rows(tensors: Optional[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per arm of a tensor-peaks run, over its steps after the first (which allocates
+    AdamW's state): the most tensor bytes held between steps; the peak within a step,
+    the worst rank's, as the median over the steps with the lowest and the highest (the
+    same statistic as the resident-set peak); and the Python objects held after the
+    last step by package (the rank holding most).
+
+    Steps differ where collectives finish on gloo's threads in another order (FSDP on
+    CPU): a step then peaks 2 or 4 MiB higher, in the hand-written torch arms too.
+    """
+    out = {}
+    for r in (tensors or {}).get('results', []):
+        steps = list(zip(*(rank['steps'] for rank in r['ranks'])))[1:]
+        peaks = [max(s['peak'] for s in step) for step in steps]
+        held = max((rank['python_held'] for rank in r['ranks']), key=lambda h: sum(h.values()))
+        out[r['arm']] = dict(held=max(s['start'] for step in steps for s in step),
+                             peak=_summary(peaks), python=held)
+    return out
+
+
+def tensor_goals(rows: List[Dict[str, Any]], tensors: Dict[str, Dict[str, Any]]
+                 ) -> List[Tuple[str, str, str, Optional[bool]]]:
+    """(goal, target, measured, verdict): each mmfsdp arm's tensor peak against every
+    peer of its family that runs at its settings (the table's verdict) and was counted."""
+    out: List[Tuple[str, str, str, Optional[bool]]] = []
+    for fam, mine in MMFSDP.items():
+        peers = [r['label'] for r in _comparable_peers(rows, fam, mine) if r['label'] in tensors]
+        if mine not in tensors or not peers:
+            continue
+        low = min(peers, key=lambda label: tensors[label]['peak']['median'])
+        mine_v, low_v = tensors[mine]['peak']['median'], tensors[low]['peak']['median']
+        out.append((f'{mine}: tensor peak per rank ≤ every {fam.upper()} peer counted',
+                    '≤ 1.00 × the lowest peer', f'{mine_v / low_v:.3f} × {low} '
+                    f'({mine_v / MIB:,.2f} / {low_v / MIB:,.2f} MiB)', mine_v <= low_v))
+    return out
+
+
+def _tensor_lines(tensors: Optional[Dict[str, Any]], rows: List[Dict[str, Any]]) -> List[str]:
+    """The tensor-peaks table: what of each arm's peak is tensors, what Python objects."""
+    counted = tensor_rows(tensors)
+    if not counted:
+        return []
+    lines = [f"Tensors apart from the rest: `python -m benchmarks.tensor_peaks`, run "
+             f"{tensors.get('date_utc', '')} (`benchmarks/results/tensor_peaks.json`; same model, "
+             'batches and initial weights, the same warm-up before the counts start), counts '
+             'every tensor of 4 KiB and more through mmfsdp\'s caching CPU allocator: the bytes '
+             'live between steps and the most live at once within a step, above those before the '
+             'arm was built (worst rank, steps after the first), and, with `tracemalloc`, the '
+             'Python objects the arm holds after its last step, by the package whose code '
+             'allocated them (worst rank).', '',
+             '| arm | tensors held between steps, MiB | tensor peak MiB per rank, median '
+             '(min–max) | Python objects held, MiB (largest packages) |', '|---|---|---|---|']
+    order = [r['label'] for r in rows if r['label'] in counted]
+    for label in order + [a for a in counted if a not in order]:
+        c = counted[label]
+        top = ', '.join(f'{name} {size / MIB:.2f}' for name, size in
+                        sorted(c['python'].items(), key=lambda kv: -kv[1])[:4] if size > 0)
+        peak = {k: v / MIB for k, v in c['peak'].items()}
+        lines.append(f"| {label} | {c['held'] / MIB:,.2f} "
+                     f"| {peak['median']:,.2f} ({peak['min']:,.2f}–{peak['max']:,.2f}) "
+                     f"| {sum(c['python'].values()) / MIB:.2f} ({top}) |")
+    return lines + ['']
 
 
 def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
@@ -264,8 +332,9 @@ def _plot(rows: List[Dict[str, Any]], img_dir: str) -> Optional[str]:
 
 
 def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
-                img_rel: str = 'img') -> List[str]:
-    """The section as Markdown lines (nothing without a recorded run)."""
+                img_rel: str = 'img', tensors: Optional[Dict[str, Any]] = None) -> List[str]:
+    """The section as Markdown lines (nothing without a recorded run); ``tensors``, a
+    :mod:`benchmarks.tensor_peaks` run, adds its table and the tensor-peak goals."""
     if not data or not data.get('results'):
         return []
     rows = arm_rows(data)
@@ -327,7 +396,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
     if failed_job:
         lines += [f"The interleaved job failed, so no step times or losses: "
                   f"`{failed_job['job_failed'].strip().splitlines()[-1]}`", '']
-    verdicts = goals(rows)
+    verdicts = goals(rows) + tensor_goals(rows, tensor_rows(tensors))
     if verdicts:
         lines += ['Goals: mmfsdp against every arm of its family that runs at the same '
                   'settings (it trains, shards where the family shards, and its loss agrees), '
@@ -337,6 +406,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
                   for g, t, m, ok in verdicts]
         lines.append('')
     lines += _peak_split(rows)
+    lines += _tensor_lines(tensors, rows)
     if img_dir:
         name = _plot(rows, img_dir)
         if name:
@@ -346,7 +416,8 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
 
 
 
-def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = 'img') -> None:
+def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = 'img',
+                  tensors: Optional[Dict[str, Any]] = None) -> None:
     """Put the section into the Markdown file ``doc``, leaving the rest of it as it is.
 
     It replaces the section of the same title, up to the next heading or HTML
@@ -355,7 +426,7 @@ def write_section(doc: str, data: Dict[str, Any], img_dir: str, img_rel: str = '
     """
     with open(doc, encoding='utf-8') as f:
         lines = f.read().split('\n')
-    section = peers_lines(data, img_dir, img_rel)
+    section = peers_lines(data, img_dir, img_rel, tensors)
     if TITLE in lines:
         start = lines.index(TITLE)
         end = next((i for i in range(start + 1, len(lines))
@@ -378,7 +449,8 @@ def main() -> None:
     data = load(args.results)
     if data is None:
         raise SystemExit(f'{args.results}: no such file (run python -m benchmarks.peers)')
-    write_section(args.doc, data, os.path.join(os.path.dirname(args.doc), 'img'))
+    write_section(args.doc, data, os.path.join(os.path.dirname(args.doc), 'img'),
+                  tensors=load(TENSOR_RESULTS))
     print(f'{args.doc}: {TITLE[3:]} written', file=sys.stderr)
 
 

@@ -289,7 +289,8 @@ def render(data: Dict[str, Any], img_dir: Optional[str], img_rel: str = 'img',
     lines += accumulation.section_lines(accumulation.load())
     lines += allocator.section_lines(allocator.load())
     lines += gpu_report.gpu_lines(gpu_report.load())
-    lines += peers_report.peers_lines(peers_report.load(), img_dir, img_rel)
+    lines += peers_report.peers_lines(peers_report.load(), img_dir, img_rel,
+                                      peers_report.load(peers_report.TENSOR_RESULTS))
     if kept:
         lines += [kept.strip('\n'), '']
     lines += notes.observations(res)

@@ -10,6 +10,12 @@ cache's bound, reset by ``release()`` before the step), and at its end, all
 above the live bytes before the arm was built. One torchrun job per arm (gloo,
 CPU), the same model, batches and initial weights as the peers run.
 
+Beside the tensors, each job counts the Python objects the arm holds after its
+last step (``tracemalloc``, started before the arm is built, by the package
+whose code allocated them): what a runner keeps that a plain loop does not.
+As in the peers' memory jobs, a step of the tiny GPT under the same arm comes
+first, so imports and first-use caches are paid before either count starts.
+
 Results: ``benchmarks/results/tensor_peaks.json``.
 """
 import argparse
@@ -17,6 +23,9 @@ import gc
 import json
 import os
 import sys
+import sysconfig
+import tracemalloc
+from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from .launch import REPO, torchrun
@@ -40,26 +49,34 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from . import peer_arms
-    from .peers import _batches, _init_file, _shared_dir
+    from .peers import _batches, _init_file, _shared_dir, _warm_up
     work_dir = _shared_dir()
     label = case['arm']
+    _warm_up(label, case['seq_len'], work_dir)
     init = _init_file(work_dir, case['model'])
+    batches = _batches(case['seq_len'], case['batch_size'], case['steps'])
     dist.barrier()
+    gc.collect()
+    tracemalloc.start()
+    python_before = tracemalloc.take_snapshot()
     base = cpu_cache.stats().live_bytes
     trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
     steps = []
     try:
-        for batch in _batches(case['seq_len'], case['batch_size'], case['steps']):
+        for batch in batches:
             gc.collect()
             cpu_cache.release()  # the bound restarts at the live bytes
             start = cpu_cache.stats().live_bytes
             trainer.step(batch)
             end = cpu_cache.stats()
             steps.append(dict(start=start - base, peak=end.bound - base, end=end.live_bytes - base))
+        gc.collect()
+        python_held = held_by_package(python_before, tracemalloc.take_snapshot())
     finally:
+        tracemalloc.stop()
         peer_arms.release(trainer)
     gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, steps)
+    dist.all_gather_object(gathered, dict(steps=steps, python_held=python_held))
     dist.barrier()  # every rank is done with the files
     if dist.get_rank() != 0:
         return {}
@@ -67,14 +84,40 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return dict(case, ranks=gathered)
 
 
+def package_of(filename: str) -> str:
+    """The package whose code is at ``filename``: its top-level import name,
+    ``'stdlib'`` for the standard library, the file name for anything else."""
+    for root in (sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib'], REPO):
+        if filename.startswith(root + os.sep):
+            return filename[len(root) + 1:].split(os.sep)[0].split('.')[0]
+    if filename.startswith(sysconfig.get_paths()['stdlib'] + os.sep):
+        return 'stdlib'
+    return filename
+
+
+def held_by_package(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> Dict[str, int]:
+    """Bytes of Python objects allocated between the snapshots and still alive, by package."""
+    held: Counter = Counter()
+    for diff in after.compare_to(before, 'filename'):
+        held[package_of(diff.traceback[0].filename)] += diff.size_diff
+    return dict(held)
+
+
 def report(results: List[Dict[str, Any]]) -> str:
-    """Per arm: the worst rank's start / peak / end per step, MiB."""
-    lines = ['| arm | per step: start / peak / end, MiB (worst rank) |', '|---|---|']
+    """Per arm: the worst rank's start / peak / end per step, MiB, and the Python
+    objects held after the last step (worst rank) with the packages holding most."""
+    lines = ['| arm | tensors per step: start / peak / end, MiB (worst rank) '
+             '| Python objects held, MiB (largest packages) |', '|---|---|---|']
     for r in results:
-        steps = zip(*r['ranks'])
+        steps = zip(*(rank['steps'] for rank in r['ranks']))
         cells = [' / '.join(f'{max(s[k] for s in step) / MiB:.2f}'
                             for k in ('start', 'peak', 'end')) for step in steps]
-        lines.append(f"| {r['arm']} | {'; '.join(cells)} |")
+        held = max((rank['python_held'] for rank in r['ranks']),
+                   key=lambda h: sum(h.values()))
+        top = ', '.join(f'{name} {size / MiB:.2f}' for name, size in
+                        sorted(held.items(), key=lambda kv: -kv[1])[:4])
+        lines.append(f"| {r['arm']} | {'; '.join(cells)} "
+                     f"| {sum(held.values()) / MiB:.2f} ({top}) |")
     return '\n'.join(lines)
 
 
@@ -85,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                      description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='gpt-25m')
     parser.add_argument('--nproc', type=int, default=2)
-    parser.add_argument('--steps', type=int, default=4)
+    parser.add_argument('--steps', type=int, default=10)
     parser.add_argument('--batch-size', type=int, default=2)
     parser.add_argument('--seq-len', type=int, default=64)
     parser.add_argument('--arms', nargs='+', default=['torch FSDP1', 'mmfsdp FSDP1',
