@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .launch import REPO, JobFailed, torchrun
 
@@ -213,27 +213,36 @@ def _interleaved_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     return out
 
 
-def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
-    """Run one peers case in this torchrun job; rank 0 returns the result."""
+def gathered_in_shared_dir(work: Callable[[str], Any]) -> Optional[List[Any]]:
+    """Run ``work(work_dir)`` on every rank in one directory the ranks share, and gather
+    what each returns: rank 0 gets the list, the other ranks ``None``.
+
+    Rank 0 removes the directory once every rank is done with it; after an error, at
+    once and with no collective (the other ranks may be in another one).
+    """
     import shutil
 
     import torch.distributed as dist
     work_dir = _shared_dir()
+    try:
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, work(work_dir))
+        dist.barrier()  # every rank is done with the files
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
+    """Run one peers case in this torchrun job; rank 0 returns the result."""
+    import torch.distributed as dist
     if case.get('cpu_allocator') == 'cache':  # before any arm allocates: the same for all
         from mmfsdp.allocator import POLICIES, apply_policy
         apply_policy(POLICIES['cache'], 'cpu')
-    try:
-        if case['mode'] == 'memory':
-            local = _memory_case(case, work_dir)
-        else:
-            local = _interleaved_case(case, work_dir)
-        gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        dist.barrier()  # every rank is done with the files
-    finally:  # on an error no collective: the other ranks may be in another one
-        if dist.get_rank() == 0:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    if dist.get_rank() != 0:
+    measure = _memory_case if case['mode'] == 'memory' else _interleaved_case
+    gathered = gathered_in_shared_dir(lambda work_dir: measure(case, work_dir))
+    if gathered is None:
         return {}
     return dict(case, world_size=dist.get_world_size(), ranks=gathered,
                 params=_params(case['model']))

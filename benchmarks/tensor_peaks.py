@@ -44,13 +44,17 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     installed = cpu_cache.install(MIN_BYTES, huge_pages=False)
     if not installed.installed:
         raise RuntimeError(f'mmfsdp.cpu_cache {installed.reason}')
-    import shutil
+    from .peers import gathered_in_shared_dir
+    gathered = gathered_in_shared_dir(lambda work_dir: _count(case, work_dir, cpu_cache))
+    return {} if gathered is None else dict(case, ranks=gathered)
 
+
+def _count(case: Dict[str, Any], work_dir: str, cpu_cache: Any) -> Dict[str, Any]:
+    """This rank's counts: tensor bytes per step, Python objects held after the last."""
     import torch.distributed as dist
 
     from . import peer_arms
-    from .peers import _batches, _init_file, _shared_dir, _warm_up
-    work_dir = _shared_dir()
+    from .peers import _batches, _init_file, _warm_up
     label = case['arm']
     _warm_up(label, case['seq_len'], work_dir)
     init = _init_file(work_dir, case['model'])
@@ -75,13 +79,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     finally:
         tracemalloc.stop()
         peer_arms.release(trainer)
-    gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(steps=steps, python_held=python_held))
-    dist.barrier()  # every rank is done with the files
-    if dist.get_rank() != 0:
-        return {}
-    shutil.rmtree(work_dir, ignore_errors=True)
-    return dict(case, ranks=gathered)
+    return dict(steps=steps, python_held=python_held)
 
 
 def package_of(filename: str) -> str:
