@@ -170,8 +170,9 @@ def tensor_rows(tensors: Optional[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 def tensor_goals(rows: List[Dict[str, Any]], tensors: Dict[str, Dict[str, Any]]
                  ) -> List[Tuple[str, str, str, Optional[bool]]]:
-    """(goal, target, measured, verdict): each mmfsdp arm's tensor peak against every
-    peer of its family that runs at its settings (the table's verdict) and was counted."""
+    """(goal, target, measured, verdict): each mmfsdp arm's median tensor peak against
+    the lowest of its family's peers that run at its settings (as for the resident-set
+    goals) and were counted."""
     out: List[Tuple[str, str, str, Optional[bool]]] = []
     for fam, mine in MMFSDP.items():
         peers = [r['label'] for r in _comparable_peers(rows, fam, mine) if r['label'] in tensors]
@@ -205,7 +206,7 @@ def _tensor_lines(tensors: Optional[Dict[str, Any]], rows: List[Dict[str, Any]])
         c = counted[label]
         top = ', '.join(f'{name} {size / MIB:.2f}' for name, size in
                         sorted(c['python'].items(), key=lambda kv: -kv[1])[:4] if size > 0)
-        peak = {k: v / MIB for k, v in c['peak'].items()}
+        peak = {k: c['peak'][k] / MIB for k in ('median', 'min', 'max')}
         lines.append(f"| {label} | {c['held'] / MIB:,.2f} "
                      f"| {peak['median']:,.2f} ({peak['min']:,.2f}–{peak['max']:,.2f}) "
                      f"| {sum(c['python'].values()) / MIB:.2f} ({top}) |")
