@@ -109,6 +109,8 @@ POLICIES: Dict[str, AllocatorPolicy] = {
                              cache_min_bytes=64 << 10),
 }
 DEFAULT = 'cache'
+#: ``cache_min_bytes`` may not be smaller: a cached tensor is a mapping of whole pages.
+CACHE_MIN_BYTES_FLOOR = 4096
 _FIELDS = ('mmap_threshold', 'trim_threshold', 'trim_interval', 'arena_max', 'huge_pages',
            'cache_min_bytes')
 
@@ -143,6 +145,10 @@ def resolve_cpu_allocator(value: Union[str, Mapping[str, Any], None]) -> Allocat
             continue
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ValueError(f'{KEY}.{key}: expected a non-negative integer, got {item!r}')
+        if key == 'cache_min_bytes' and item < CACHE_MIN_BYTES_FLOOR:
+            raise ValueError(f'{KEY}.{key}: expected at least {CACHE_MIN_BYTES_FLOOR} (a page), '
+                             f'got {item}: every cached tensor is mapped on its own, so '
+                             'smaller ones would each hold a whole page and a kernel mapping')
         fields[key] = item
     return AllocatorPolicy('custom', **fields)
 
@@ -162,6 +168,7 @@ def glibc() -> Optional[ctypes.CDLL]:
 _active: Optional[AllocatorPolicy] = None
 _huge_pages = False
 _cache_missing = ''  # why the policy's caching allocator is not in force ('' if it is)
+_cache_kept = ''  # why one installed earlier serves this process unlike the policy says
 
 
 def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[AllocatorPolicy]:
@@ -170,12 +177,18 @@ def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[Allocato
     Returns ``None`` (nothing set) off the CPU, without glibc, or for a policy
     that changes nothing. Raises ``RuntimeError`` if glibc refuses a value. A
     caching allocator that cannot be built is not an error: the rest of the
-    policy applies, and :func:`log_active` warns.
+    policy applies, and :func:`log_active` warns. Nor is one that an earlier
+    runner of this process installed with other settings, or where this policy
+    asks for none: it stays in force (a process sets torch's CPU allocator
+    once), and :func:`log_active` says so.
     """
-    global _active
+    global _active, _huge_pages, _cache_missing, _cache_kept
+    _cache_missing = _cache_kept = ''
     libc = glibc()
     if device_type != 'cpu' or libc is None or not policy.changes_anything:
         _active = None
+        if device_type == 'cpu' and cpu_cache.installed():
+            _cache_kept = _cache_kept_without(policy)
         return None
     for param, value, field in ((_M_MMAP_THRESHOLD, policy.mmap_threshold, 'mmap_threshold'),
                                 (_M_TRIM_THRESHOLD, policy.trim_threshold, 'trim_threshold'),
@@ -183,14 +196,23 @@ def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[Allocato
         if value is not None and libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
             raise RuntimeError(f'{KEY}.{field}: glibc refused {value} (mallopt returned 0); '
                                'glibc caps the mmap threshold at 32 MiB on 64-bit systems')
-    global _huge_pages, _cache_missing
     _huge_pages = policy.huge_pages and enable_cpu_huge_pages()
-    _cache_missing = ''
     if policy.cache_min_bytes is not None:
         installed = cpu_cache.install(policy.cache_min_bytes, policy.huge_pages)
-        _cache_missing = installed.reason
+        if cpu_cache.installed():
+            _cache_kept = installed.reason
+        else:
+            _cache_missing = installed.reason
+    elif cpu_cache.installed():
+        _cache_kept = _cache_kept_without(policy)
     _active = policy
     return policy
+
+
+def _cache_kept_without(policy: AllocatorPolicy) -> str:
+    return (f'{policy.name!r} asks for no caching allocator, but one was installed earlier in '
+            f'this process, for tensors of {cpu_cache.installed_min_bytes()} bytes and more; it '
+            "stays in force: a process sets torch's CPU allocator once")
 
 
 def active_policy() -> Optional[Dict[str, Any]]:
@@ -205,8 +227,12 @@ def active_policy() -> Optional[Dict[str, Any]]:
 
 
 def cache_in_effect() -> bool:
-    """Whether the policy in force serves tensors from mmfsdp's caching CPU allocator."""
-    return _active is not None and _active.cache_min_bytes is not None and not _cache_missing
+    """Whether this process serves tensors from mmfsdp's caching CPU allocator.
+
+    Installed by the policy in force or by an earlier one: it stays for the life
+    of the process.
+    """
+    return cpu_cache.installed()
 
 
 def describe_active() -> Optional[str]:
@@ -222,11 +248,13 @@ def describe_active() -> Optional[str]:
         parts.append('huge pages' if _huge_pages else
                      'huge pages NOT in effect: torch allocated CPU memory before the runner '
                      'started (set THP_MEM_ALLOC_ENABLE=1 in the environment instead)')
-    if _active.cache_min_bytes is not None:
+    if _active.cache_min_bytes is not None and not _cache_kept:
         parts.append(f'caching allocator for tensors of {_active.cache_min_bytes} bytes and more'
                      if not _cache_missing else
                      f'caching allocator NOT in effect: {_cache_missing}; freed blocks '
                      "are unmapped as with 'release'")
+    if _cache_kept:
+        parts.append(f'caching allocator NOT as configured: {_cache_kept}')
     return f"{KEY}: {_active.name!r} ({', '.join(parts)})"
 
 
@@ -234,8 +262,10 @@ def log_active(logger: logging.Logger) -> None:
     """Log :func:`describe_active`'s line, if any: a warning when a part is not in effect."""
     described = describe_active()
     if described is not None:
-        missing = (_active.huge_pages and not _huge_pages) or bool(_cache_missing)
+        missing = (_active.huge_pages and not _huge_pages) or bool(_cache_missing or _cache_kept)
         logger.log(logging.WARNING if missing else logging.INFO, described)
+    elif _cache_kept:
+        logger.warning(f'{KEY}: {_cache_kept}')
 
 
 def malloc_trim() -> bool:

@@ -32,17 +32,19 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from mmengine.hooks import Hook
 
-__all__ = ['CacheStats', 'CacheWindowHook', 'InstallResult', 'install', 'installed', 'mark',
-           'release', 'stats']
+__all__ = ['CacheStats', 'CacheWindowHook', 'InstallResult', 'install', 'installed',
+           'installed_min_bytes', 'mark', 'release', 'stats']
 
 SOURCE = Path(__file__).parent / 'csrc' / 'caching_cpu_allocator.cpp'
 #: The build takes about a second; a compiler still running after this is stopped.
@@ -87,6 +89,8 @@ class InstallResult:
 
 
 _lib: Optional[ctypes.CDLL] = None
+_settings: Optional[Tuple[int, bool]] = None  # (min_bytes, huge_pages) of the installed one
+_install_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -94,66 +98,111 @@ def _cache_dir() -> Path:
     return Path(root) / 'mmfsdp'
 
 
+def _compile_command(target: str) -> List[str]:
+    """The command that builds the library into ``target`` (its compiler ``''`` if none)."""
+    compiler = os.environ.get('CXX') or shutil.which('c++') or shutil.which('g++') or ''
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    return [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', f'-D_GLIBCXX_USE_CXX11_ABI={abi}',
+            f'-I{torch_dir / "include"}', str(SOURCE), f'-L{torch_dir / "lib"}', '-lc10',
+            f'-Wl,-rpath,{torch_dir / "lib"}', '-o', target]
+
+
 def _library_path() -> Path:
-    """Where the build for this source and this torch lives: one per (source, torch) pair."""
+    """Where the build lives: one per source, torch install and build command."""
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + torch.__file__.encode()).hexdigest()[:16]
+                         + ' '.join(_compile_command('')).encode()).hexdigest()[:16]
     return _cache_dir() / f'caching_cpu_allocator-{key}.so'
 
 
 def _compile(target: Path) -> None:
     """Build the shared library into ``target`` (atomically: ranks may build at once)."""
-    compiler = os.environ.get('CXX') or shutil.which('c++') or shutil.which('g++')
-    if compiler is None:
-        raise OSError('no C++ compiler found (set CXX, or install g++)')
-    torch_dir = Path(torch.__file__).parent
-    abi = int(torch.compiled_with_cxx11_abi())
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=target.parent)
     os.close(fd)
+    cmd = _compile_command(tmp)
     try:
-        cmd = [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', f'-D_GLIBCXX_USE_CXX11_ABI={abi}',
-               f'-I{torch_dir / "include"}', str(SOURCE), f'-L{torch_dir / "lib"}', '-lc10',
-               f'-Wl,-rpath,{torch_dir / "lib"}', '-o', tmp]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as err:
-            raise OSError(f'{compiler} ran past {COMPILE_TIMEOUT_S} s') from err
-        if done.returncode != 0:
-            raise OSError(f'{" ".join(cmd)} failed:\n{done.stderr[-2000:]}')
+        if not cmd[0]:
+            raise OSError('no C++ compiler found (set CXX, or install g++)')
+        # A session of its own, so that a timeout stops the compiler's children too
+        # (cc1plus, ld), not only the driver: none may write into the cache later.
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as build:
+            try:
+                _, stderr = build.communicate(timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired as err:
+                os.killpg(build.pid, signal.SIGKILL)
+                build.communicate()
+                raise OSError(f'{cmd[0]} ran past {COMPILE_TIMEOUT_S} s') from err
+        if build.returncode != 0:
+            raise OSError(f'{" ".join(cmd)} failed:\n{stderr[-2000:]}')
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _load() -> ctypes.CDLL:
+    """The built library, built first if need be.
+
+    A file that cannot be loaded (truncated, or linked against a c10 that has
+    since been replaced) is built again, once.
+    """
+    path = _library_path()
+    if not path.exists():
+        _compile(path)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)
+        _compile(path)
+        return ctypes.CDLL(str(path))
+
+
 def install(min_bytes: int, huge_pages: bool) -> InstallResult:
     """Route every later CPU allocation of ``min_bytes`` or more through the cache.
 
-    Once per process; a second call reports the first. Tensors allocated
-    before keep torch's allocator, so call it before the model is built.
+    Once per process: torch's CPU allocator is set once, and tensors it served
+    may live as long as the process. A second call with the same settings
+    reports it installed; with other settings it reports why not (the first
+    stays in force). Tensors allocated before keep torch's allocator, so call
+    it before the model is built.
     """
-    global _lib
-    if _lib is not None:
-        return InstallResult(True)
-    path = _library_path()
-    try:
-        if not path.exists():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
-    except OSError as err:
-        return InstallResult(False, f'could not be built: {err}')
-    lib.mmfsdp_cpu_cache_install.argtypes = [ctypes.c_size_t, ctypes.c_int]
-    lib.mmfsdp_cpu_cache_release.restype = ctypes.c_size_t
-    lib.mmfsdp_cpu_cache_mark.restype = ctypes.c_size_t
-    lib.mmfsdp_cpu_cache_install(min_bytes, int(huge_pages))
-    _lib = lib
+    global _lib, _settings
+    if min_bytes < 1:
+        raise ValueError(f'min_bytes must be at least 1, got {min_bytes}')
+    with _install_lock:
+        if _lib is not None:
+            if _settings == (min_bytes, bool(huge_pages)):
+                return InstallResult(True)
+            return InstallResult(False, f'installed already in this process, for tensors of '
+                                        f'{_settings[0]} bytes and more (huge pages: '
+                                        f'{_settings[1]}); it stays in force: a process sets '
+                                        "torch's CPU allocator once")
+        try:
+            lib = _load()
+        except OSError as err:
+            return InstallResult(False, f'could not be built: {err}')
+        lib.mmfsdp_cpu_cache_install.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        lib.mmfsdp_cpu_cache_install.restype = ctypes.c_int
+        lib.mmfsdp_cpu_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.mmfsdp_cpu_cache_stats.restype = ctypes.c_int
+        lib.mmfsdp_cpu_cache_release.restype = ctypes.c_size_t
+        lib.mmfsdp_cpu_cache_mark.restype = ctypes.c_size_t
+        if lib.mmfsdp_cpu_cache_install(min_bytes, int(huge_pages)) != 0:
+            return InstallResult(False, 'another copy of the library installed one already')
+        _lib, _settings = lib, (min_bytes, bool(huge_pages))
     return InstallResult(True)
 
 
 def installed() -> bool:
     """Whether this process allocates through the cache."""
     return _lib is not None
+
+
+def installed_min_bytes() -> Optional[int]:
+    """The smallest allocation the installed cache serves (``None`` if none is installed)."""
+    return None if _settings is None else _settings[0]
 
 
 def stats() -> Optional[CacheStats]:
@@ -183,8 +232,8 @@ def release() -> int:
 class CacheWindowHook(Hook):
     """Ends the cache's window (:func:`mark`) after every training iteration.
 
-    Registered by :class:`mmfsdp.FSDPRunner` when the caching allocator is in
-    force, at the lowest priority: after the checkpoint hook, so that a save's
+    Registered by :class:`mmfsdp.FSDPRunner` whenever the caching allocator is
+    installed in the process, at the lowest priority: after the checkpoint hook, so that a save's
     peak falls in its iteration's window.
     """
 

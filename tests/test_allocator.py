@@ -53,6 +53,7 @@ def test_custom_values_are_resolved():
 @pytest.mark.parametrize('value, error, words', [
     ('fast', ValueError, ["env_cfg.cpu_allocator: 'fast'", "'cache'", "'glibc'", "'release'"]),
     (dict(cache_min_bytes=-1), ValueError, ['env_cfg.cpu_allocator.cache_min_bytes']),
+    (dict(cache_min_bytes=0), ValueError, ['cache_min_bytes', 'at least 4096', 'a page']),
     (1, TypeError, ['env_cfg.cpu_allocator', 'a preset name']),
     (dict(mmap=1), TypeError, ["unknown keys ['mmap']", 'mmap_threshold']),
     (dict(trim_interval=-1), ValueError, ['env_cfg.cpu_allocator.trim_interval', '-1']),
@@ -63,6 +64,46 @@ def test_bad_values_name_the_key(value, error, words):
         resolve_cpu_allocator(value)
     for word in words:
         assert word in str(info.value)
+
+
+def _second_runner_asks_otherwise() -> dict:
+    """One process, three runners' policies in turn: the default, 'glibc', a bigger threshold."""
+    import logging
+
+    from mmfsdp import allocator
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: List[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    seen = {}
+    for name, policy in (('default', POLICIES[DEFAULT]), ('glibc', POLICIES['glibc']),
+                         ('1 MiB', resolve_cpu_allocator(dict(cache_min_bytes=MiB)))):
+        allocator.apply_policy(policy, 'cpu')
+        kept = Kept()
+        logger = logging.getLogger(f'policy-{name}')
+        logger.addHandler(kept)
+        logger.setLevel(logging.INFO)
+        allocator.log_active(logger)
+        seen[name] = dict(cache_in_effect=allocator.cache_in_effect(),
+                          log=[(r.levelname, r.getMessage()) for r in kept.records])
+    return seen
+
+
+@needs_glibc
+def test_a_later_runner_is_told_the_cache_installed_earlier_stays():
+    """torch's CPU allocator is set once per process: a later runner asking for no cache or
+    for another threshold keeps the first one (and its window hook), with a warning why."""
+    from harness import run_distributed
+    seen = run_distributed(_second_runner_asks_otherwise, 1, timeout=120)[0]
+    assert seen['default']['cache_in_effect'] and seen['default']['log'][0][0] == 'INFO'
+    for name in ('glibc', '1 MiB'):
+        assert seen[name]['cache_in_effect'], (name, seen[name])
+        (level, message), = seen[name]['log']
+        assert level == 'WARNING' and 'stays in force' in message and '65536 bytes' in message
 
 
 def test_accelerators_are_left_alone():

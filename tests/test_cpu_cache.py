@@ -36,6 +36,9 @@ def _observe() -> Dict[str, Any]:
     from mmfsdp import cpu_cache
     seen: Dict[str, Any] = dict(installed=cpu_cache.install(MIN_BYTES, huge_pages=False).installed)
     seen['installed_again'] = cpu_cache.install(MIN_BYTES, huge_pages=False).installed
+    other = cpu_cache.install(2 * MIN_BYTES, huge_pages=True)
+    seen['installed_other'] = dict(installed=other.installed, reason=other.reason,
+                                   min_bytes=cpu_cache.installed_min_bytes())
 
     # A freed block serves the next request of its size: same address, no new mapping.
     first = torch.ones(3 * MiB // 4)
@@ -123,6 +126,18 @@ def test_it_builds_and_installs_once_per_process(seen):
     assert seen['installed'] and seen['installed_again']
 
 
+def test_a_second_install_with_other_settings_says_why_and_the_first_stays(seen):
+    other = seen['installed_other']
+    assert not other['installed'] and other['min_bytes'] == MIN_BYTES
+    assert 'installed already' in other['reason'] and f'{MIN_BYTES} bytes' in other['reason']
+
+
+def test_a_threshold_below_one_byte_is_refused_before_anything_is_built():
+    from mmfsdp import cpu_cache
+    with pytest.raises(ValueError, match='min_bytes must be at least 1'):
+        cpu_cache.install(0, huge_pages=False)
+
+
 def test_a_freed_block_serves_the_next_request_of_its_size(seen):
     reuse = seen['reuse']
     assert reuse['same_address'] and reuse['hits'] == 1 and reuse['fresh_bytes'] == 0, reuse
@@ -169,6 +184,59 @@ def test_without_a_compiler_install_says_why_and_changes_nothing(tmp_path):
     result = run_distributed(_without_compiler, 1, str(tmp_path), timeout=120)[0]
     assert not result['installed'] and not result['active']
     assert 'could not be built' in result['reason'] and 'no-such-compiler' in result['reason']
+
+
+def _rebuilt_after_a_broken_file(cache_dir: str) -> Dict[str, Any]:
+    os.environ['XDG_CACHE_HOME'] = cache_dir
+    from mmfsdp import cpu_cache
+    path = cpu_cache._library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'\x7fELF truncated')
+    result = cpu_cache.install(MIN_BYTES, huge_pages=False)
+    return dict(installed=result.installed, reason=result.reason,
+                rebuilt=path.read_bytes()[:4] == b'\x7fELF' and path.stat().st_size > 1024)
+
+
+def test_a_build_that_cannot_be_loaded_is_built_again(tmp_path):
+    """A truncated file (or one linked against a c10 since replaced) is rebuilt, once."""
+    seen = run_distributed(_rebuilt_after_a_broken_file, 1, str(tmp_path), timeout=180)[0]
+    assert seen['installed'] and seen['rebuilt'], seen
+
+
+def _compiler_past_its_time(cache_dir: str) -> Dict[str, Any]:
+    import time
+    pids = os.path.join(cache_dir, 'pids')
+    compiler = os.path.join(cache_dir, 'slow-c++')
+    with open(compiler, 'w') as f:  # a driver whose child (as cc1plus would) outlives it
+        f.write(f'#!/bin/sh\nsleep 600 &\necho $! > {pids}\nwait\n')
+    os.chmod(compiler, 0o755)
+    os.environ.update(CXX=compiler, XDG_CACHE_HOME=cache_dir)
+    from mmfsdp import cpu_cache
+    cpu_cache.COMPILE_TIMEOUT_S = 1
+    result = cpu_cache.install(MIN_BYTES, huge_pages=False)
+    with open(pids) as f:
+        child = int(f.read())
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.01)
+    return dict(installed=result.installed, reason=result.reason, child_running=_running(child),
+                left=sorted(os.listdir(os.path.join(cache_dir, 'mmfsdp'))))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+    except FileNotFoundError:
+        return False
+
+
+def test_a_compiler_past_its_time_is_stopped_with_its_children(tmp_path):
+    """The build runs in a session of its own: a timeout kills every process of it, so
+    none writes into the cache afterwards, and install says why."""
+    seen = run_distributed(_compiler_past_its_time, 1, str(tmp_path), timeout=120)[0]
+    assert not seen['installed'] and 'ran past 1 s' in seen['reason'], seen
+    assert not seen['child_running'] and seen['left'] == [], seen
 
 
 def _profiled() -> Dict[str, Any]:

@@ -53,7 +53,8 @@ class CachingCPUAllocator final : public c10::Allocator {
       : fallback_(fallback), min_bytes_(min_bytes), huge_pages_(huge_pages) {}
 
   c10::DataPtr allocate(size_t n) override {
-    if (n < min_bytes_) return fallback_->allocate(n);
+    // Empty tensors and sizes that would wrap when rounded up are never mapped.
+    if (n == 0 || n < min_bytes_ || n > SIZE_MAX - kPage) return fallback_->allocate(n);
     const size_t size = round_to_page(n);
     void* p = take(size);
     if (p == nullptr) return fallback_->allocate(n);  // the kernel refused a mapping
@@ -180,11 +181,18 @@ class CachingCPUAllocator final : public c10::Allocator {
     const size_t size = it->second;
     sizes_.erase(it);
     stats_.live_bytes -= size;
+    stats_.cached_bytes += size;
+    if (c10::memoryProfilingEnabled()) {
+      // The profiler pairs events by address: report the free before the block is in the
+      // cache, where another thread could take it and report its allocation first.
+      const Stats s = stats_;
+      lock.unlock();
+      c10::reportMemoryUsageToProfiler(p, -static_cast<int64_t>(size), s.live_bytes,
+                                       s.live_bytes + s.cached_bytes, kCPU);
+      lock.lock();
+    }
     lru_.push_front(Block{p, size});
     by_size_[size].push_back(lru_.begin());
-    stats_.cached_bytes += size;
-    lock.unlock();
-    report(p, -static_cast<int64_t>(size));
   }
 
   // What c10's own CPU allocator tells torch.profiler (profile_memory=True).
@@ -246,6 +254,8 @@ extern "C" {
 // Serves every later CPU allocation of at least `min_bytes` bytes; 0 on success,
 // 1 if this process has one installed already.
 int mmfsdp_cpu_cache_install(size_t min_bytes, int huge_pages) {
+  static std::mutex installing;
+  std::lock_guard<std::mutex> lock(installing);
   if (CachingCPUAllocator::instance != nullptr) return 1;
   // Never deleted: tensors it allocated may outlive every Python object.
   CachingCPUAllocator::instance =
