@@ -13,6 +13,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from .tensor_peaks import describe_held, most_held
+
 __all__ = ['RESULTS', 'arm_rows', 'goals', 'load', 'peers_lines']
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'peers.json')
@@ -162,9 +164,8 @@ def tensor_rows(tensors: Optional[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     for r in (tensors or {}).get('results', []):
         steps = list(zip(*(rank['steps'] for rank in r['ranks'])))[1:]
         peaks = [max(s['peak'] for s in step) for step in steps]
-        held = max((rank['python_held'] for rank in r['ranks']), key=lambda h: sum(h.values()))
         out[r['arm']] = dict(held=max(s['start'] for step in steps for s in step),
-                             peak=_summary(peaks), python=held)
+                             peak=_summary(peaks), python=most_held(r['ranks']))
     return out
 
 
@@ -204,12 +205,10 @@ def _tensor_lines(tensors: Optional[Dict[str, Any]], rows: List[Dict[str, Any]])
     order = [r['label'] for r in rows if r['label'] in counted]
     for label in order + [a for a in counted if a not in order]:
         c = counted[label]
-        top = ', '.join(f'{name} {size / MIB:.2f}' for name, size in
-                        sorted(c['python'].items(), key=lambda kv: -kv[1])[:4] if size > 0)
         peak = {k: c['peak'][k] / MIB for k in ('median', 'min', 'max')}
         lines.append(f"| {label} | {c['held'] / MIB:,.2f} "
                      f"| {peak['median']:,.2f} ({peak['min']:,.2f}–{peak['max']:,.2f}) "
-                     f"| {sum(c['python'].values()) / MIB:.2f} ({top}) |")
+                     f"| {describe_held(c['python'])} |")
     return lines + ['']
 
 

@@ -101,6 +101,18 @@ def held_by_package(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -
     return dict(held)
 
 
+def most_held(ranks: List[Dict[str, Any]]) -> Dict[str, int]:
+    """The Python objects held by the rank of ``ranks`` holding most, by package."""
+    return max((rank['python_held'] for rank in ranks), key=lambda held: sum(held.values()))
+
+
+def describe_held(held: Dict[str, int]) -> str:
+    """``'<total> (<package> <MiB>, ...)'``, MiB, the four packages holding most."""
+    top = ', '.join(f'{name} {size / MiB:.2f}' for name, size in
+                    sorted(held.items(), key=lambda kv: -kv[1])[:4] if size > 0)
+    return f'{sum(held.values()) / MiB:.2f} ({top})'
+
+
 def report(results: List[Dict[str, Any]]) -> str:
     """Per arm: the worst rank's start / peak / end per step, MiB, and the Python
     objects held after the last step (worst rank) with the packages holding most."""
@@ -110,12 +122,8 @@ def report(results: List[Dict[str, Any]]) -> str:
         steps = zip(*(rank['steps'] for rank in r['ranks']))
         cells = [' / '.join(f'{max(s[k] for s in step) / MiB:.2f}'
                             for k in ('start', 'peak', 'end')) for step in steps]
-        held = max((rank['python_held'] for rank in r['ranks']),
-                   key=lambda h: sum(h.values()))
-        top = ', '.join(f'{name} {size / MiB:.2f}' for name, size in
-                        sorted(held.items(), key=lambda kv: -kv[1])[:4])
-        lines.append(f"| {r['arm']} | {'; '.join(cells)} "
-                     f"| {sum(held.values()) / MiB:.2f} ({top}) |")
+        held = describe_held(most_held(r['ranks']))
+        lines.append(f"| {r['arm']} | {'; '.join(cells)} | {held} |")
     return '\n'.join(lines)
 
 
