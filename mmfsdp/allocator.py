@@ -184,11 +184,14 @@ def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[Allocato
     """
     global _active, _huge_pages, _cache_missing, _cache_kept
     _cache_missing = _cache_kept = ''
+    if device_type == 'cpu' and policy.cache_min_bytes is None and cpu_cache.installed():
+        _cache_kept = (f'{policy.name!r} asks for no caching allocator, but one was installed '
+                       'earlier in this process, for tensors of '
+                       f'{cpu_cache.installed_min_bytes()} bytes and more; it stays in force: a '
+                       "process sets torch's CPU allocator once")
     libc = glibc()
     if device_type != 'cpu' or libc is None or not policy.changes_anything:
         _active = None
-        if device_type == 'cpu' and cpu_cache.installed():
-            _cache_kept = _cache_kept_without(policy)
         return None
     for param, value, field in ((_M_MMAP_THRESHOLD, policy.mmap_threshold, 'mmap_threshold'),
                                 (_M_TRIM_THRESHOLD, policy.trim_threshold, 'trim_threshold'),
@@ -203,16 +206,8 @@ def apply_policy(policy: AllocatorPolicy, device_type: str) -> Optional[Allocato
             _cache_kept = installed.reason
         else:
             _cache_missing = installed.reason
-    elif cpu_cache.installed():
-        _cache_kept = _cache_kept_without(policy)
     _active = policy
     return policy
-
-
-def _cache_kept_without(policy: AllocatorPolicy) -> str:
-    return (f'{policy.name!r} asks for no caching allocator, but one was installed earlier in '
-            f'this process, for tensors of {cpu_cache.installed_min_bytes()} bytes and more; it '
-            "stays in force: a process sets torch's CPU allocator once")
 
 
 def active_policy() -> Optional[Dict[str, Any]]:
