@@ -58,7 +58,7 @@ class CachingCPUAllocator final : public c10::Allocator {
     const size_t size = round_to_page(n);
     void* p = take(size);
     if (p == nullptr) return fallback_->allocate(n);  // the kernel refused a mapping
-    report(p, static_cast<int64_t>(size));
+    if (c10::memoryProfilingEnabled()) report(p, static_cast<int64_t>(size), stats());
     return {p, p, &CachingCPUAllocator::deleter, kCPU};
   }
 
@@ -187,18 +187,16 @@ class CachingCPUAllocator final : public c10::Allocator {
       // cache, where another thread could take it and report its allocation first.
       const Stats s = stats_;
       lock.unlock();
-      c10::reportMemoryUsageToProfiler(p, -static_cast<int64_t>(size), s.live_bytes,
-                                       s.live_bytes + s.cached_bytes, kCPU);
+      report(p, -static_cast<int64_t>(size), s);
       lock.lock();
     }
     lru_.push_front(Block{p, size});
     by_size_[size].push_back(lru_.begin());
   }
 
-  // What c10's own CPU allocator tells torch.profiler (profile_memory=True).
-  void report(void* p, int64_t delta) {
-    if (!c10::memoryProfilingEnabled()) return;
-    const Stats s = stats();
+  // What c10's own CPU allocator tells torch.profiler (profile_memory=True); called without
+  // the lock held, with the counters as they were after the change.
+  static void report(void* p, int64_t delta, const Stats& s) {
     c10::reportMemoryUsageToProfiler(p, delta, s.live_bytes, s.live_bytes + s.cached_bytes, kCPU);
   }
 
