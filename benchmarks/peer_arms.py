@@ -36,7 +36,16 @@ from mmfsdp.registry import MODELS as MMFSDP_MODELS
 from .workload import BLOCK_SIZE, LR, MODELS, STRATEGIES, VOCAB_SIZE, make_runner, plain_model
 from .workload import runner_cfg as mmfsdp_runner_cfg
 
-__all__ = ['ARMS', 'FAMILIES', 'Arm', 'PeerGPT', 'Trainer', 'build']
+__all__ = ['ARMS', 'FAMILIES', 'SEED', 'Arm', 'PeerGPT', 'Trainer', 'build']
+
+#: Every arm seeds its random number generators with this, the way its framework documents
+#: (``torch.manual_seed``, mmengine's ``randomness``, accelerate's ``set_seed``, Fabric's
+#: ``seed_everything``), as the training scripts being compared do. The weights come from a
+#: file and the model has no dropout, so the seed changes no number; it is there because
+#: seeding has a cost of its own: torch keeps the caller's formatted stack for a lazy CUDA
+#: seed, and from the second call in a process that stack reads torch/_dynamo/eval_frame.py
+#: into ``linecache`` (0.27 MiB), which an arm that does not seed would not pay.
+SEED = 0
 
 #: Numbers the runners a process builds. mmengine names a runner's logger and visualizer
 #: ``experiment_name + '_' + timestamp`` and reuses an instance of that name: two runners built
@@ -125,6 +134,7 @@ class Arm:
 
 def _plain(kind: str) -> Callable[[str, str, str], Trainer]:
     def build(preset: str, init_file: str, work_dir: str) -> Trainer:
+        torch.manual_seed(SEED)
         model, optimizer = plain_model(kind, preset, model=_model(preset, init_file))
 
         def step(batch: Dict[str, Any]) -> float:
@@ -186,6 +196,7 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
                                 experiment_name(label), 1, 16, 0,
                                 train_cfg=dict(type='BenchmarkPeersLoop'))
         cfg.model = peer_model_cfg(preset, init_file)
+        cfg.randomness = dict(seed=SEED)
         cfg.train_dataloader = _train_dataloader()
         # Equal settings: every arm allocates as the job's environment says (Method);
         # what mmfsdp's own default ('cache') saves is the CPU allocator section's.
@@ -231,7 +242,7 @@ def _flexible_runner(preset: str, init_file: str, work_dir: str,
         train_dataloader=_train_dataloader(), train_cfg=dict(type='BenchmarkPeersLoop'),
         default_hooks=dict(checkpoint=None, logger=dict(type='LoggerHook', interval=10**6)),
         launcher='pytorch', env_cfg=dict(dist_cfg=dict(backend='gloo')),
-        log_level='WARNING', randomness=dict(seed=0),
+        log_level='WARNING', randomness=dict(seed=SEED),
         experiment_name=experiment_name('FlexibleRunner FSDP'))
     return _runner_trainer(runner)
 
@@ -240,7 +251,7 @@ def _accelerate(version: int) -> Callable[[str, str, str], Trainer]:
     def build(preset: str, init_file: str, work_dir: str) -> Trainer:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
-        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
 
         # Accelerator state is one per process; the benchmark builds two Accelerators
         # (FSDP1, FSDP2 plugins) in one process, so the first one's must go.
@@ -255,6 +266,7 @@ def _accelerate(version: int) -> Callable[[str, str, str], Trainer]:
         # cpu=True: accelerate's documented CPU switch. Without it, on a machine without an
         # accelerator, it picks DistributedType.NO under torchrun: no wrapper at all.
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        set_seed(SEED)
         model = _model(preset, init_file)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -302,6 +314,7 @@ def _fabric(kind: str) -> Callable[[str, str, str], Trainer]:
                                              data_parallel_size=world, tensor_parallel_size=1)
         fabric = Fabric(accelerator='cpu', devices=world, num_nodes=1, strategy=strategy)
         fabric.launch()
+        fabric.seed_everything(SEED)
         model = fabric.setup_module(_model(preset, init_file))
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
 

@@ -7,13 +7,17 @@ and FSDP2 plugins, Lightning Fabric's ``FSDPStrategy`` and
 ``ModelParallelStrategy``, and mmengine's ``FlexibleRunner`` with its own
 ``FSDPStrategy``. Two kinds of torchrun job (``N`` CPU processes, gloo):
 
-- **memory**, one job per arm, alone in its processes: a warm-up step of the
+- **memory**, one job per arm and repeat (``--memory-repeats``, the arms in
+  turn within each repeat), each alone in its processes: a warm-up step of the
   tiny GPT under the same arm, the resident-set baseline, then the arm built and
   trained for a few steps; per step the peak resident set above the baseline and
   the model-state bytes (storages behind parameters, gradients and AdamW state,
   counted right after ``optimizer.step()``), as ``benchmarks.memory`` measures
   them. Parameter bytes per rank tell whether the arm really shards, whatever
   its configuration says. A failing arm is recorded with its exact error.
+  Repeats exist because a job's resident-set peaks move by a few MiB from one
+  process to the next (where glibc and the interpreter happen to place things);
+  the report pools the measured steps of all of an arm's jobs.
 - **interleaved**, one job holding every arm that ran: ``steps`` rounds, each
   round one step of every arm on the round's batch, the order rotated every
   round, each step timed between two barriers. The step-time ratio of a round
@@ -47,8 +51,10 @@ ARM_LABELS = ['torch FSDP1', 'torch FSDP2', 'torch DDP', 'mmfsdp FSDP1', 'mmfsdp
 
 
 def plan_cases(model: str, arms: List[str], steps: int, timed_from: int, batch_size: int,
-               seq_len: int, memory_steps: int, cpu_allocator: str = 'job') -> Dict[str, Any]:
-    """The memory cases (one per arm) and the interleaved case of a run.
+               seq_len: int, memory_steps: int, cpu_allocator: str = 'job',
+               memory_repeats: int = 1) -> Dict[str, Any]:
+    """The memory cases (one per arm and repeat, every arm once before any twice) and
+    the interleaved case of a run.
 
     ``cpu_allocator``: ``'job'``, every arm allocates as the job's environment
     says (the mmfsdp arms opt out of their own setting); ``'cache'``, every
@@ -57,10 +63,14 @@ def plan_cases(model: str, arms: List[str], steps: int, timed_from: int, batch_s
     unknown = [a for a in arms if a not in ARM_LABELS]
     if unknown:
         raise ValueError(f'--arms: {unknown} not among {ARM_LABELS}')
+    if memory_repeats < 1:
+        raise ValueError(f'--memory-repeats: {memory_repeats} is not a positive number of jobs')
     common = dict(kind='peers', model=model, batch_size=batch_size, seq_len=seq_len,
                   cpu_allocator=cpu_allocator)
-    memory = [dict(common, mode='memory', name=f'peers/memory/{model}/{arm}', arms=[arm],
-                   steps=memory_steps, warm_up=True) for arm in arms]
+    memory = [dict(common, mode='memory', arms=[arm], steps=memory_steps, warm_up=True,
+                   repeat=repeat, name=f'peers/memory/{model}/{arm}'
+                   + (f' #{repeat + 1}' if memory_repeats > 1 else ''))
+              for repeat in range(memory_repeats) for arm in arms]
     interleaved = dict(common, mode='interleaved', name=f'peers/interleaved/{model}',
                        arms=list(arms), steps=steps, timed_from=timed_from)
     return dict(memory=memory, interleaved=interleaved)
@@ -285,7 +295,8 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
     from .record import machine, utc_now
     from .record import save_results as _save
     cases = plan_cases(args.model, args.arms, args.steps, args.timed_from, args.batch_size,
-                       args.seq_len, args.memory_steps, args.cpu_allocator)
+                       args.seq_len, args.memory_steps, args.cpu_allocator,
+                       args.memory_repeats)
     data: Dict[str, Any] = dict(mode='peers', machine=machine(), nproc=args.nproc, results=[],
                                 started=utc_now(),
                                 options={k: v for k, v in vars(args).items() if k != 'out'})
@@ -294,8 +305,9 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
         for case in cases['memory']:
             data['results'].append(_run_job(case, args.nproc, True, args.timeout, log))
             _save(args.out, data)
-        interleaved['arms'] = [c['arms'][0] for c, r in zip(cases['memory'], data['results'])
-                               if memory_ok(r)]
+        failed = {c['arms'][0] for c, r in zip(cases['memory'], data['results'])
+                  if not memory_ok(r)}
+        interleaved['arms'] = [arm for arm in args.arms if arm not in failed]
     if not args.skip_interleaved:
         data['results'].append(_run_job(interleaved, args.nproc, False, 3 * args.timeout, log))
     data['elapsed_s'] = sum(r['job_wall_s'] for r in data['results'])
@@ -316,6 +328,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--seq-len', type=int, default=64, help='tokens per sequence')
     p.add_argument('--memory-steps', type=int, default=3,
                    help='steps of each memory job (the first is left out)')
+    p.add_argument('--memory-repeats', type=int, default=1,
+                   help='memory jobs per arm; the report pools their measured steps')
     p.add_argument('--arms', nargs='+', default=ARM_LABELS, metavar='ARM',
                    help=f'subset of {ARM_LABELS}')
     p.add_argument('--skip-memory', action='store_true', help='only the interleaved job')

@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .tensor_peaks import describe_held, most_held
 
@@ -55,28 +55,41 @@ def _summary(values: List[float]) -> Dict[str, float]:
                 n=len(values))
 
 
-def _memory(result: Dict[str, Any]) -> Dict[str, Any]:
-    """What one arm's memory job measured: ok/error, state, peak, parameter bytes."""
-    if 'job_failed' in result:
-        return dict(ok=False, error=result['job_failed'].strip().splitlines()[-1],
-                    stage='job', where=[])
-    ranks = result['ranks']
-    failed = [r for r in ranks if not r['ok']]
-    if failed:
-        return dict(ok=False, error=failed[0]['error'], stage=failed[0]['stage'],
-                    where=failed[0].get('where', []))
-    steps = range(1, len(ranks[0]['peaks']))  # the first step allocates AdamW state
-    peak = [max(r['peaks'][i] for r in ranks) for i in steps]
-    state = [max(r['states'][i]['total'] for r in ranks) for i in steps]
-    params = max(r['states'][-1]['params'] for r in ranks)
-    split = {}
-    if all('starts' in r for r in ranks):  # the resident set when each step began
-        split = dict(start=_summary([max(r['starts'][i] for r in ranks) for i in steps]),
-                     rise=_summary([max(r['peaks'][i] - r['starts'][i] for r in ranks)
-                                    for i in steps]))
-    return dict(ok=True, peak=_summary(peak), state=_summary(state), params=params, **split,
-                parts=ranks[0]['states'][-1], wrapper=ranks[0]['wrapper'],
-                notes=ranks[0].get('notes', ''))
+def _memory(jobs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """What an arm's memory jobs measured: ok/error, state, peak, parameter bytes.
+
+    Each job's steps after its first (AdamW allocates its state there) are pooled: a
+    figure per step is the worst rank's, and the summaries run over the pooled steps.
+    One failed job makes the arm fail, with that job's error.
+    """
+    for result in jobs:
+        if 'job_failed' in result:
+            return dict(ok=False, error=result['job_failed'].strip().splitlines()[-1],
+                        stage='job', where=[])
+        failed = [r for r in result['ranks'] if not r['ok']]
+        if failed:
+            return dict(ok=False, error=failed[0]['error'], stage=failed[0]['stage'],
+                        where=failed[0].get('where', []))
+
+    def per_step(ranks: List[Dict[str, Any]], value: Callable[[Dict[str, Any], int], float]
+                 ) -> List[float]:
+        return [max(value(r, i) for r in ranks) for i in range(1, len(ranks[0]['peaks']))]
+
+    peak, state, job_peaks, start, rise = [], [], [], [], []
+    for result in jobs:
+        ranks = result['ranks']
+        job_peaks.append(statistics.median(per_step(ranks, lambda r, i: r['peaks'][i])))
+        peak += per_step(ranks, lambda r, i: r['peaks'][i])
+        state += per_step(ranks, lambda r, i: r['states'][i]['total'])
+        if all('starts' in r for r in ranks):  # the resident set when each step began
+            start += per_step(ranks, lambda r, i: r['starts'][i])
+            rise += per_step(ranks, lambda r, i: r['peaks'][i] - r['starts'][i])
+    last = jobs[-1]['ranks']
+    split = dict(start=_summary(start), rise=_summary(rise)) if len(rise) == len(peak) else {}
+    return dict(ok=True, peak=_summary(peak), state=_summary(state), job_peaks=job_peaks,
+                params=max(r['states'][-1]['params'] for r in last), **split,
+                parts=last[0]['states'][-1], wrapper=last[0]['wrapper'],
+                notes=last[0].get('notes', ''))
 
 
 def _interleaved(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -88,7 +101,11 @@ def _interleaved(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 def arm_rows(data: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One record per arm: memory job, ratio to its torch arm, loss after the last step."""
-    memory = {r['arms'][0]: _memory(r) for r in data['results'] if r.get('mode') == 'memory'}
+    jobs: Dict[str, List[Dict[str, Any]]] = {}
+    for r in data['results']:
+        if r.get('mode') == 'memory':
+            jobs.setdefault(r['arms'][0], []).append(r)
+    memory = {label: _memory(results) for label, results in jobs.items()}
     inter = _interleaved(data)
     times: Dict[str, List[float]] = {}
     losses: Dict[str, List[float]] = {}
@@ -212,6 +229,13 @@ def _tensor_lines(tensors: Optional[Dict[str, Any]], rows: List[Dict[str, Any]])
     return lines + ['']
 
 
+def _jobs_per_arm(data: Dict[str, Any]) -> str:
+    repeats = 1 + max((r.get('repeat', 0) for r in data['results'] if r.get('mode') == 'memory'),
+                      default=0)
+    return ('one torchrun job per arm' if repeats == 1 else
+            f'{repeats} torchrun jobs per arm (every arm once, then every arm again, ...)')
+
+
 def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
     """Each mmfsdp peak against its family's lowest peer, split at the step's start."""
     by_label = {r['label']: r for r in rows}
@@ -233,6 +257,25 @@ def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
     return ['Where the peak comes from: the resident set when the step began (above the '
             'baseline) + what the step added to it, MiB, medians over the measured steps: '
             + '; '.join(parts) + '.', '']
+
+
+def _job_spread(rows: List[Dict[str, Any]]) -> List[str]:
+    """Where an arm ran more than one memory job: each job's median step peak, for
+    mmfsdp's arms and their families' lowest peers (how far one job alone can move)."""
+    by_label = {r['label']: r for r in rows}
+    parts = []
+    for fam, mine in MMFSDP.items():
+        me = by_label.get(mine)
+        peers = _comparable_peers(rows, fam, mine)
+        if not me or len(me['memory'].get('job_peaks', [])) < 2 or not peers:
+            continue
+        low = min(peers, key=lambda r: _value(r, 'peak'))
+        parts += [f"{row['label']} " + ', '.join(_mib(p) for p in row['memory']['job_peaks'])
+                  for row in (me, low)]
+    if not parts:
+        return []
+    return ["Each job's median step peak, MiB, in the order the jobs ran: " + '; '.join(parts)
+            + '.', '']
 
 
 def _comparable_peers(rows: List[Dict[str, Any]], fam: str, mine: str
@@ -354,10 +397,11 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
         'weights (one file, loaded through each framework\'s `init_weights` path or before '
         'wrapping) for every arm; one FSDP unit per `TransformerBlock` wherever the framework '
         'shards.', '',
-        '- **Memory**: one torchrun job per arm, alone in its processes, run exactly as section '
+        f'- **Memory**: {_jobs_per_arm(data)}, alone in its processes, run exactly as section '
         '2: a warm-up step of the tiny GPT under the same arm, then the baseline, then '
         f"{first.get('steps', 0)} steps of which the first (AdamW allocates its state) is left "
-        'out; model state = storages of parameters, gradients and AdamW state right after '
+        'out (the peak columns are over the measured steps of all of an arm\'s jobs); '
+        'model state = storages of parameters, gradients and AdamW state right after '
         '`optimizer.step()`; peak = resident-set high-water mark of the step above the baseline '
         '(`MALLOC_MMAP_THRESHOLD_` as in Method). "Parameters per rank" is the storage behind '
         'the local parameters: an arm whose configuration asks for sharding but whose '
@@ -406,6 +450,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
                   for g, t, m, ok in verdicts]
         lines.append('')
     lines += _peak_split(rows)
+    lines += _job_spread(rows)
     lines += _tensor_lines(tensors, rows)
     if img_dir:
         name = _plot(rows, img_dir)

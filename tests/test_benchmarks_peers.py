@@ -78,6 +78,49 @@ def test_report_flags_arms_that_do_not_shard_or_fail():
     assert compared and all('accelerate' not in m and 'Fabric' not in m for m in compared)
 
 
+def test_a_run_builds_every_arm_once_before_any_twice():
+    """Repeated memory jobs go round the arms, so a drift of the machine over the run
+    reaches every arm alike."""
+    cases = peers.plan_cases('gpt-tiny', ARMS, 2, 1, 2, 16, 2, memory_repeats=3)
+    assert [(c['arms'][0], c['repeat']) for c in cases['memory']] == [
+        (arm, repeat) for repeat in range(3) for arm in ARMS]
+    assert len({c['name'] for c in cases['memory']}) == 6
+    with pytest.raises(ValueError, match='--memory-repeats'):
+        peers.plan_cases('gpt-tiny', ARMS, 2, 1, 2, 16, 2, memory_repeats=0)
+
+
+def test_report_pools_the_steps_of_every_memory_job_of_an_arm():
+    """An arm's peak is the median over the measured steps of all its jobs (each job's
+    first step, AdamW's state, left out), each job's own median is listed, and a job
+    that failed fails the arm."""
+    mib = 1 << 20
+    half = dict(params=200, grads=200, optimizer=400, total=800)
+
+    def memory(arm, repeat, peaks, ok=True):
+        rank = (dict(ok=True, peaks=[p * mib for p in peaks], starts=[0] * len(peaks),
+                     losses=[1.0] * len(peaks), states=[half] * len(peaks), wrapper='W',
+                     notes='') if ok else
+                dict(ok=False, stage='train', error='RuntimeError: gloo', where=[]))
+        return dict(mode='memory', arms=[arm], repeat=repeat, model='gpt-tiny', params=100,
+                    batch_size=2, seq_len=16, steps=len(peaks), ranks=[rank, rank])
+
+    data = dict(mode='peers', nproc=2, results=[
+        memory('torch FSDP1', 0, [999, 10, 12]), memory('mmfsdp FSDP1', 0, [999, 14, 14]),
+        memory('torch FSDP1', 1, [999, 16, 16]), memory('mmfsdp FSDP1', 1, [999, 11, 12])])
+    rows = {r['label']: r for r in peers_report.arm_rows(data)}
+    assert rows['torch FSDP1']['memory']['peak'] == dict(median=14 * mib, min=10 * mib,
+                                                         max=16 * mib, n=4)
+    assert rows['mmfsdp FSDP1']['memory']['job_peaks'] == [14 * mib, 11.5 * mib]
+    text = '\n'.join(peers_report.peers_lines(data, img_dir=None))
+    assert '2 torchrun jobs per arm' in text
+    assert "Each job's median step peak, MiB, in the order the jobs ran: mmfsdp FSDP1 14.0, " \
+           '11.5; torch FSDP1 11.0, 16.0.' in text
+    data['results'].append(memory('torch FSDP1', 2, [999, 1], ok=False))
+    rows = {r['label']: r for r in peers_report.arm_rows(data)}
+    assert not rows['torch FSDP1']['memory']['ok']
+    assert rows['torch FSDP1']['memory']['error'] == 'RuntimeError: gloo'
+
+
 def test_report_says_the_interleaved_job_failed_and_times_nothing():
     """An error in the interleaved job ends it (it may be one rank's alone); the report
     then gives no step times or losses, and quotes the job's last error line."""
@@ -176,6 +219,16 @@ def test_mmfsdp_ddp_holds_and_adds_the_same_tensor_bytes_as_torch_ddp(tensor_pea
         for step, (m, t) in enumerate(zip(m_rank['steps'], t_rank['steps'])):
             assert m['peak'] - m['start'] == t['peak'] - t['start'], (rank, step, m, t)
             assert m['start'] == t['start'], (rank, step, m, t)
+
+
+def test_a_plain_loop_pays_for_seeding_as_the_runner_does(tensor_peaks):
+    """Every arm seeds like the training script it stands for. Seeding keeps a formatted
+    stack, which from a process's second seed reads a torch source file of 0.27 MiB into
+    ``linecache``: the plain loop's standard-library objects match the runner's."""
+    mine, theirs = tensor_peaks['mmfsdp DDP']['ranks'], tensor_peaks['torch DDP']['ranks']
+    for m_rank, t_rank in zip(mine, theirs):
+        stdlib = m_rank['python_held'].get('stdlib', 0), t_rank['python_held'].get('stdlib', 0)
+        assert abs(stdlib[0] - stdlib[1]) <= 64 << 10, stdlib
 
 
 def test_what_the_runner_holds_besides_tensors_is_counted_by_package(tensor_peaks):
