@@ -302,11 +302,14 @@ def run(args: argparse.Namespace, log: Any = sys.stderr) -> Dict[str, Any]:
                                 options={k: v for k, v in vars(args).items() if k != 'out'})
     interleaved = dict(cases['interleaved'])
     if not args.skip_memory:
+        failed = set()  # an arm that failed once is not run again
         for case in cases['memory']:
+            if case['arms'][0] in failed:
+                continue
             data['results'].append(_run_job(case, args.nproc, True, args.timeout, log))
             _save(args.out, data)
-        failed = {c['arms'][0] for c, r in zip(cases['memory'], data['results'])
-                  if not memory_ok(r)}
+            if not memory_ok(data['results'][-1]):
+                failed.add(case['arms'][0])
         interleaved['arms'] = [arm for arm in args.arms if arm not in failed]
     if not args.skip_interleaved:
         data['results'].append(_run_job(interleaved, args.nproc, False, 3 * args.timeout, log))

@@ -7,6 +7,8 @@ parsing then has to find the shard, the agreeing losses and one ratio per
 timed round. The third-party arms (accelerate, Lightning) are not run here:
 they are optional dependencies and their runs belong to ``python -m benchmarks.peers``.
 """
+import io
+
 import pytest
 
 from benchmarks import peers, peers_report
@@ -87,6 +89,18 @@ def test_a_run_builds_every_arm_once_before_any_twice():
     assert len({c['name'] for c in cases['memory']}) == 6
     with pytest.raises(ValueError, match='--memory-repeats'):
         peers.plan_cases('gpt-tiny', ARMS, 2, 1, 2, 16, 2, memory_repeats=0)
+
+
+def test_an_arm_that_failed_is_not_run_again(tmp_path):
+    """mmengine's own FSDPStrategy cannot build on a CPU-only torch: one job says so, and
+    its repeats would only say it again."""
+    args = peers.parser().parse_args([
+        '--model', 'gpt-tiny', '--seq-len', '16', '--memory-steps', '2', '--memory-repeats', '2',
+        '--arms', 'mmengine FlexibleRunner FSDP', '--skip-interleaved',
+        '--out', str(tmp_path / 'peers.json')])
+    data = peers.run(args, log=io.StringIO())
+    failed, = data['results']
+    assert not peers.memory_ok(failed) and failed['repeat'] == 0
 
 
 def test_report_pools_the_steps_of_every_memory_job_of_an_arm():
