@@ -5,17 +5,24 @@ writing ``5`` to ``/proc/self/clear_refs`` resets it to the current resident
 set (Linux >= 4.0), so one process can measure the peak of one training step,
 then of the next, and report a median over steps.
 
+What of the resident set is live: :func:`malloc_live_bytes`, the bytes glibc's
+malloc has handed out and not had back. Between two processes running the same
+work, a resident-set difference with equal live bytes is placement (free space
+kept in partly used pages), not memory in use.
+
 Model-state bytes are counted from the tensors themselves: the *storages*
 behind the local parameters, gradients and optimizer state, each storage once
 (FSDP1 parameters are views of one flat shard; DDP gradients are views of its
 buckets; FSDP2 parameters are DTensors whose local tensors are padded shards).
 """
+import ctypes
 import statistics
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ['model_state_bytes', 'peak_rss_bytes', 'reset_peak_rss', 'rss_bytes', 'summary']
+__all__ = ['malloc_live_bytes', 'model_state_bytes', 'peak_rss_bytes', 'reset_peak_rss',
+           'rss_bytes', 'summary']
 
 
 def _status_bytes(field: str) -> int:
@@ -47,6 +54,28 @@ def reset_peak_rss() -> int:
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')
     return peak_rss_bytes()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks', 'uordblks',
+        'fordblks', 'keepcost')]
+
+
+def malloc_live_bytes() -> Optional[int]:
+    """Bytes glibc's malloc has handed out and not had back, every arena: heap blocks in
+    use plus chunks mapped on their own (``mallinfo2``); ``None`` without glibc >= 2.33.
+
+    Tensors (torch's CPU allocator calls ``posix_memalign``) and C++ objects are in it;
+    the interpreter's small objects are not (pymalloc maps its own arenas).
+    """
+    from mmfsdp.allocator import glibc
+    libc = glibc()
+    if libc is None or not hasattr(libc, 'mallinfo2'):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ and FSDP2 plugins, Lightning Fabric's ``FSDPStrategy`` and
   trained for a few steps; per step the peak resident set above the baseline and
   the model-state bytes (storages behind parameters, gradients and AdamW state,
   counted right after ``optimizer.step()``), as ``benchmarks.memory`` measures
-  them. Parameter bytes per rank tell whether the arm really shards, whatever
+  them, and the bytes malloc holds live when the step starts
+  (:func:`benchmarks.measure.malloc_live_bytes`), which tell memory in use from
+  where glibc placed it. Parameter bytes per rank tell whether the arm really shards, whatever
   its configuration says. A failing arm is recorded with its exact error.
   Repeats exist because a job's resident-set peaks move by a few MiB from one
   process to the next (where glibc and the interpreter happen to place things);
@@ -154,7 +156,7 @@ def _warm_up(label: str, seq_len: int, work_dir: str) -> None:
 
 def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     from . import peer_arms
-    from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from .measure import malloc_live_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
     label = case['arms'][0]
     import torch.distributed as dist
     out: Dict[str, Any] = dict(ok=True)
@@ -165,18 +167,20 @@ def _memory_case(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
         batches = _batches(case['seq_len'], case['batch_size'], case['steps'])
         init = _init_file(work_dir, case['model'])
         stage = 'build'
-        baseline = rss_bytes()
+        baseline, live_baseline = rss_bytes(), malloc_live_bytes()
         trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
         probe = _StateProbe(trainer)
         stage = 'train'
-        peaks, starts, losses = [], [], []
+        peaks, starts, lives, losses = [], [], [], []
         for batch in batches:
             dist.barrier()
+            live = malloc_live_bytes()
+            lives.append(None if live is None else live - live_baseline)
             starts.append(reset_peak_rss() - baseline)
             losses.append(trainer.step(batch))
             peaks.append(peak_rss_bytes() - baseline)
         probe.remove()
-        out.update(peaks=peaks, starts=starts, losses=losses, states=probe.records,
+        out.update(peaks=peaks, starts=starts, lives=lives, losses=losses, states=probe.records,
                    wrapper=peer_arms.wrapper_name(trainer.module), notes=trainer.notes,
                    baseline=baseline)
     except Exception as e:  # noqa: BLE001 - the error is the result

@@ -75,7 +75,7 @@ def _memory(jobs: List[Dict[str, Any]]) -> Dict[str, Any]:
                  ) -> List[float]:
         return [max(value(r, i) for r in ranks) for i in range(1, len(ranks[0]['peaks']))]
 
-    peak, state, job_peaks, start, rise = [], [], [], [], []
+    peak, state, job_peaks, start, rise, live = [], [], [], [], [], []
     for result in jobs:
         ranks = result['ranks']
         job_peaks.append(statistics.median(per_step(ranks, lambda r, i: r['peaks'][i])))
@@ -84,8 +84,12 @@ def _memory(jobs: List[Dict[str, Any]]) -> Dict[str, Any]:
         if all('starts' in r for r in ranks):  # the resident set when each step began
             start += per_step(ranks, lambda r, i: r['starts'][i])
             rise += per_step(ranks, lambda r, i: r['peaks'][i] - r['starts'][i])
+        if all(None not in r.get('lives', [None]) for r in ranks):  # malloc's live bytes then
+            live += per_step(ranks, lambda r, i: r['lives'][i])
     last = jobs[-1]['ranks']
     split = dict(start=_summary(start), rise=_summary(rise)) if len(rise) == len(peak) else {}
+    if len(live) == len(peak):
+        split['live'] = _summary(live)
     return dict(ok=True, peak=_summary(peak), state=_summary(state), job_peaks=job_peaks,
                 params=max(r['states'][-1]['params'] for r in last), **split,
                 parts=last[0]['states'][-1], wrapper=last[0]['wrapper'],
@@ -248,15 +252,22 @@ def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
         low = min(peers, key=lambda r: _value(r, 'peak'))
         if 'start' not in low['memory']:
             continue
+        live = ''
+        if 'live' in me['memory'] and 'live' in low['memory']:
+            live = (f" (malloc's live bytes then: {_mib(me['memory']['live']['median'])} "
+                    f"against {_mib(low['memory']['live']['median'])})")
         parts.append(
             f"{mine} {_mib(me['memory']['start']['median'])} + "
             f"{_mib(me['memory']['rise']['median'])} against {low['label']} "
-            f"{_mib(low['memory']['start']['median'])} + {_mib(low['memory']['rise']['median'])}")
+            f"{_mib(low['memory']['start']['median'])} + {_mib(low['memory']['rise']['median'])}"
+            + live)
     if not parts:
         return []
     return ['Where the peak comes from: the resident set when the step began (above the '
-            'baseline) + what the step added to it, MiB, medians over the measured steps: '
-            + '; '.join(parts) + '.', '']
+            'baseline) + what the step added to it, MiB, medians over the measured steps, and '
+            "the bytes glibc's malloc held live when the step began (above the baseline; "
+            'tensors, C++ objects, large Python objects; equal live bytes with a larger '
+            'resident set is placement, not memory in use): ' + '; '.join(parts) + '.', '']
 
 
 def _job_spread(rows: List[Dict[str, Any]]) -> List[str]:

@@ -8,11 +8,13 @@ timed round. The third-party arms (accelerate, Lightning) are not run here:
 they are optional dependencies and their runs belong to ``python -m benchmarks.peers``.
 """
 import io
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import peers, peers_report
-from benchmarks.launch import torchrun
+from benchmarks.launch import REPO, torchrun
 
 ARMS = ['torch FSDP1', 'mmfsdp FSDP1']
 STEPS, TIMED_FROM = 3, 1
@@ -44,6 +46,8 @@ def test_tiny_run_shards_agrees_and_times_every_round(tiny_run):
     assert mine['memory']['ok'] and mine['memory']['wrapper'] == 'MMFullyShardedDataParallel'
     assert mine['sharded'], 'parameter storage per rank must be about half the model at N = 2'
     assert mine['memory']['state']['max'] > 0 and mine['memory']['peak']['median'] > 0
+    # malloc's live bytes between steps hold at least the model state (glibc on Linux)
+    assert mine['memory']['live']['min'] >= mine['memory']['state']['max']
     # Same weights, same batches: the same losses on every rank, to float precision.
     assert mine['loss_delta'] <= 1e-5
     inter = tiny_run['results'][-1]['ranks']
@@ -158,17 +162,19 @@ def test_report_splits_each_peak_at_the_start_of_its_step():
     mib = 1 << 20
     half = dict(params=200, grads=200, optimizer=400, total=800)
 
-    def memory(arm, starts, peaks):
+    def memory(arm, starts, peaks, lives):
         rank = dict(ok=True, peaks=[p * mib for p in peaks], starts=[s * mib for s in starts],
-                    losses=[1.0, 1.0, 1.0], states=[half] * 3, wrapper='W', notes='')
+                    lives=[v * mib for v in lives], losses=[1.0, 1.0, 1.0], states=[half] * 3,
+                    wrapper='W', notes='')
         return dict(mode='memory', arms=[arm], model='gpt-tiny', params=100, batch_size=2,
                     seq_len=16, steps=3, ranks=[rank, rank])
 
     data = dict(mode='peers', nproc=2, results=[
-        memory('torch DDP', [0, 100, 102], [90, 130, 132]),
-        memory('mmfsdp DDP', [0, 104, 104], [95, 134, 136])])
+        memory('torch DDP', [0, 100, 102], [90, 130, 132], [0, 98, 98]),
+        memory('mmfsdp DDP', [0, 104, 104], [95, 134, 136], [0, 98, 99])])
     text = '\n'.join(peers_report.peers_lines(data, img_dir=None))
-    assert 'mmfsdp DDP 104.0 + 31.0 against torch DDP 101.0 + 30.0' in text
+    assert ("mmfsdp DDP 104.0 + 31.0 against torch DDP 101.0 + 30.0 (malloc's live bytes "
+            'then: 98.5 against 98.0)') in text
 
 
 def test_report_judges_tensor_peaks_on_the_median_step():
@@ -253,3 +259,21 @@ def test_what_the_runner_holds_besides_tensors_is_counted_by_package(tensor_peak
         assert rank['python_held'].get('yapf', 0) > 0
     for rank in tensor_peaks['torch DDP']['ranks']:
         assert 'matplotlib' not in rank['python_held'] and 'yapf' not in rank['python_held']
+
+
+def test_malloc_live_bytes_count_a_tensor_while_it_lives():
+    """The live bytes that tell memory in use from placement: a tensor is in them from its
+    allocation to its free (torch's CPU allocator takes it from glibc's malloc). In a
+    fresh process: a runner built by another test may have installed mmfsdp's cache here."""
+    code = (
+        'import torch\n'
+        'from benchmarks.measure import malloc_live_bytes\n'
+        'before = malloc_live_bytes()\n'
+        'tensor = torch.empty(8 << 20, dtype=torch.uint8)\n'
+        'during = malloc_live_bytes()\n'
+        'del tensor\n'
+        'print(before, during, malloc_live_bytes())\n')
+    out = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    before, during, after = map(int, out.split())
+    assert during - before >= 8 << 20 and during - after >= 8 << 20
