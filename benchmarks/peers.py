@@ -15,8 +15,9 @@ and FSDP2 plugins, Lightning Fabric's ``FSDPStrategy`` and
   counted right after ``optimizer.step()``), as ``benchmarks.memory`` measures
   them, and the bytes malloc holds live when the step starts
   (:func:`benchmarks.measure.malloc_live_bytes`), which tell memory in use from
-  where glibc placed it. Parameter bytes per rank tell whether the arm really shards, whatever
-  its configuration says. A failing arm is recorded with its exact error.
+  where glibc placed it. Parameter bytes per rank tell whether the arm really
+  shards, whatever its configuration says. A failing arm is recorded with its
+  exact error, and not run again.
   Repeats exist because a job's resident-set peaks move by a few MiB from one
   process to the next (where glibc and the interpreter happen to place things);
   the report pools the measured steps of all of an arm's jobs.

@@ -84,7 +84,7 @@ def _memory(jobs: List[Dict[str, Any]]) -> Dict[str, Any]:
         if all('starts' in r for r in ranks):  # the resident set when each step began
             start += per_step(ranks, lambda r, i: r['starts'][i])
             rise += per_step(ranks, lambda r, i: r['peaks'][i] - r['starts'][i])
-        if all(None not in r.get('lives', [None]) for r in ranks):  # malloc's live bytes then
+        if all(r.get('lives') and None not in r['lives'] for r in ranks):  # malloc's, then
             live += per_step(ranks, lambda r, i: r['lives'][i])
     last = jobs[-1]['ranks']
     split = dict(start=_summary(start), rise=_summary(rise)) if len(rise) == len(peak) else {}
