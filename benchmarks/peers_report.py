@@ -408,7 +408,7 @@ def peers_lines(data: Optional[Dict[str, Any]], img_dir: Optional[str],
         'weights (one file, loaded through each framework\'s `init_weights` path or before '
         'wrapping) for every arm; one FSDP unit per `TransformerBlock` wherever the framework '
         'shards.', '',
-        f'- **Memory**: {_jobs_per_arm(data)}, alone in its processes, run exactly as section '
+        f'- **Memory**: {_jobs_per_arm(data)}, each alone in its processes, run exactly as section '
         '2: a warm-up step of the tiny GPT under the same arm, then the baseline, then '
         f"{first.get('steps', 0)} steps of which the first (AdamW allocates its state) is left "
         'out (the peak columns are over the measured steps of all of an arm\'s jobs); '
