@@ -78,8 +78,9 @@ def _memory(jobs: List[Dict[str, Any]]) -> Dict[str, Any]:
     peak, state, job_peaks, start, rise, live = [], [], [], [], [], []
     for result in jobs:
         ranks = result['ranks']
-        job_peaks.append(statistics.median(per_step(ranks, lambda r, i: r['peaks'][i])))
-        peak += per_step(ranks, lambda r, i: r['peaks'][i])
+        job_peak = per_step(ranks, lambda r, i: r['peaks'][i])
+        job_peaks.append(statistics.median(job_peak))
+        peak += job_peak
         state += per_step(ranks, lambda r, i: r['states'][i]['total'])
         if all('starts' in r for r in ranks):  # the resident set when each step began
             start += per_step(ranks, lambda r, i: r['starts'][i])
@@ -240,24 +241,31 @@ def _jobs_per_arm(data: Dict[str, Any]) -> str:
             f'{repeats} torchrun jobs per arm (every arm once, then every arm again, ...)')
 
 
-def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
-    """Each mmfsdp peak against its family's lowest peer, split at the step's start."""
+def _against_lowest_peer(rows: List[Dict[str, Any]]
+                         ) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """Each mmfsdp arm that ran, with the lowest-peak peer of its family at its settings."""
     by_label = {r['label']: r for r in rows}
-    parts = []
+    pairs = []
     for fam, mine in MMFSDP.items():
         me = by_label.get(mine)
         peers = _comparable_peers(rows, fam, mine)
-        if not me or 'start' not in me['memory'] or not peers:
-            continue
-        low = min(peers, key=lambda r: _value(r, 'peak'))
-        if 'start' not in low['memory']:
+        if me and me['memory'].get('ok') and peers:
+            pairs.append((me, min(peers, key=lambda r: _value(r, 'peak'))))
+    return pairs
+
+
+def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
+    """Each mmfsdp peak against its family's lowest peer, split at the step's start."""
+    parts = []
+    for me, low in _against_lowest_peer(rows):
+        if 'start' not in me['memory'] or 'start' not in low['memory']:
             continue
         live = ''
         if 'live' in me['memory'] and 'live' in low['memory']:
             live = (f" (malloc's live bytes then: {_mib(me['memory']['live']['median'])} "
                     f"against {_mib(low['memory']['live']['median'])})")
         parts.append(
-            f"{mine} {_mib(me['memory']['start']['median'])} + "
+            f"{me['label']} {_mib(me['memory']['start']['median'])} + "
             f"{_mib(me['memory']['rise']['median'])} against {low['label']} "
             f"{_mib(low['memory']['start']['median'])} + {_mib(low['memory']['rise']['median'])}"
             + live)
@@ -273,16 +281,9 @@ def _peak_split(rows: List[Dict[str, Any]]) -> List[str]:
 def _job_spread(rows: List[Dict[str, Any]]) -> List[str]:
     """Where an arm ran more than one memory job: each job's median step peak, for
     mmfsdp's arms and their families' lowest peers (how far one job alone can move)."""
-    by_label = {r['label']: r for r in rows}
-    parts = []
-    for fam, mine in MMFSDP.items():
-        me = by_label.get(mine)
-        peers = _comparable_peers(rows, fam, mine)
-        if not me or len(me['memory'].get('job_peaks', [])) < 2 or not peers:
-            continue
-        low = min(peers, key=lambda r: _value(r, 'peak'))
-        parts += [f"{row['label']} " + ', '.join(_mib(p) for p in row['memory']['job_peaks'])
-                  for row in (me, low)]
+    parts = [f"{row['label']} " + ', '.join(_mib(p) for p in row['memory']['job_peaks'])
+             for me, low in _against_lowest_peer(rows) if len(me['memory']['job_peaks']) > 1
+             for row in (me, low)]
     if not parts:
         return []
     return ["Each job's median step peak, MiB, in the order the jobs ran: " + '; '.join(parts)
