@@ -204,6 +204,9 @@ def _two_ranks(root: str) -> dict:
     # ... unless load_from provides it: random init, then a checkpoint of an eager build
     torch.manual_seed(123)
     eager = MODELS.build(unset)
+    # The checkpoint is what provides `unset`, so it must hold values: torch.empty's memory
+    # may be a freed block of the failed run above, still holding its NaN sentinel.
+    nn.init.normal_(eager.unset)
     ckpt = os.path.join(root, 'zoo.pth')
     _save_rank0(dict(state_dict=eager.state_dict()), ckpt)
     for wrapper in WRAPPERS:
