@@ -10,19 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree
-from .allocator import (
-    MallocTrimHook,
-    apply_policy,
-    cache_in_effect,
-    log_active,
-    resolve_cpu_allocator,
-)
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .compat import RunnerSteps, load_from, resume_requested
-from .cpu_cache import CacheWindowHook
 from .device_draws import draws_on
 from .dist import current_device, init_distributed, set_current_device
 from .ema import configures_ema
@@ -142,10 +134,12 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         self._meta_pending: list = []
         self._meta_check_after_load = False
         self._staged = False
-        # Before the process group's threads and the model allocate anything:
-        # the setting decides where their memory comes from.
-        self._cpu_allocator = apply_policy(resolve_cpu_allocator(env_cfg.get('cpu_allocator')),
-                                           current_device().type)
+        if 'cpu_allocator' in env_cfg:
+            raise ValueError(
+                f"env_cfg.cpu_allocator={env_cfg['cpu_allocator']!r}: mmfsdp no longer sets the "
+                'CPU allocator from the config; the launch does (tools/dist_train.sh preloads '
+                'jemalloc or tcmalloc where installed, as torch.backends.xeon.run_cpu does). '
+                'Remove the key, or set LD_PRELOAD yourself')
         self._preconditions = WrapPreconditions()
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
@@ -155,19 +149,6 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             set_current_device()  # still train on LOCAL_RANK's device
             settle_at_exit()
         super().setup_env(env_cfg)
-
-    def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
-        """The stock hooks, plus the CPU allocator's after training iterations, if any.
-
-        ``malloc_trim`` every ``trim_interval`` iterations; the end of the caching
-        allocator's window after every iteration (:func:`mmfsdp.cpu_cache.mark`).
-        """
-        super().register_hooks(default_hooks, custom_hooks)
-        log_active(self.logger)
-        if self._cpu_allocator is not None and self._cpu_allocator.trim_interval:
-            self.register_hook(MallocTrimHook(self._cpu_allocator.trim_interval), 'LOW')
-        if cache_in_effect():
-            self.register_hook(CacheWindowHook(), 'LOWEST')
 
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, Dict], seed: Optional[int] = None,
