@@ -4,7 +4,8 @@ mmengine's ``AmpOptimWrapper`` asserts CUDA, and its ``GradScaler`` looks for
 inf/nan in the local gradients only. Under FSDP1 each rank holds a different
 shard of the gradients, so one rank could skip a step that the others take and
 the replicas diverge. Here autocast and the scaler follow the device, and once
-``FSDPRunner`` has wrapped an FSDP1 model the scaler becomes torch's
+``FSDPRunner`` has wrapped a model that holds FSDP1 units (one root, or one root
+per child for a model with its own steps) the scaler becomes torch's
 ``ShardedGradScaler``, which agrees on inf/nan across ranks. FSDP2 (DTensor
 gradients) and DDP (replicated gradients) use ``torch.amp.GradScaler``.
 
@@ -14,7 +15,7 @@ Config (what ``tools/train.py --amp`` selects)::
                          optimizer=dict(type='AdamW', lr=1e-3))
 """
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
@@ -33,6 +34,29 @@ from .registry import OPTIM_WRAPPERS
 __all__ = ['AmpOptimWrapper', 'replace_stock_amp']
 
 _SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')
+#: mmengine's dtype names (``float64`` among them), as its ``AmpOptimWrapper`` converts them.
+_STOCK_DTYPES = {name: getattr(torch, name) for name in MMEngineAmpOptimWrapper.valid_dtypes}
+
+
+def _cast_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    """The autocast dtype: mmengine's names as mmengine converts them, then mmfsdp's aliases.
+
+    As with mmengine's wrapper, the dtype goes to ``torch.autocast`` as it is:
+    where the device's autocast does not support it (``float32`` / ``float64``
+    on the CPU), torch runs autocast disabled, so the model's own dtype is used.
+    """
+    if isinstance(dtype, str) and dtype in _STOCK_DTYPES:
+        return _STOCK_DTYPES[dtype]
+    return resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
+
+
+def _fsdp1_unit(model: nn.Module) -> Optional[FullyShardedDataParallel]:
+    """The outermost FSDP1 unit in ``model`` (the model itself, or a child's root); ``None``.
+
+    Found by walking the modules, so a wrapper holding one FSDP1 root per child
+    (a model with its own ``train_step``) counts as sharded as well.
+    """
+    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -42,7 +66,10 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
     Args:
         loss_scale: ``'dynamic'``, a fixed scale (float), or a dict of
             ``GradScaler`` arguments (``init_scale``, ``growth_interval`` ...).
-        dtype: Autocast dtype: ``'float16'`` (default) or ``'bfloat16'``.
+        dtype: Autocast dtype: mmengine's ``'float16'`` (default), ``'bfloat16'``,
+            ``'float32'``, ``'float64'`` (autocast disabled where the device does
+            not support the dtype, as torch does), mmfsdp's aliases
+            (``'fp16'``, ``'bf16'`` ...) or a ``torch.dtype``.
         **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``,
             ``accumulative_counts``).
 
@@ -53,7 +80,7 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
                  dtype: Union[str, torch.dtype, None] = None,
                  **kwargs: Any) -> None:
         init_without_amp_checks(self, **kwargs)
-        self.cast_dtype = resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
+        self.cast_dtype = _cast_dtype(dtype)
         self._device = current_device()
         set_fixed_loss_scale(self, None)
         if loss_scale == 'dynamic':
@@ -73,10 +100,13 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
         """Use a scaler that suits how ``model`` holds its gradients.
 
         Called by ``FSDPRunner`` after wrapping; the scaler's state is kept.
+        A model holding FSDP1 units gets a ``ShardedGradScaler`` over the
+        outermost unit's group: every rank then skips a step on inf/nan in any
+        rank's gradient shard, and the scales stay equal.
         """
-        if isinstance(model, FullyShardedDataParallel) and not isinstance(
-                self.loss_scaler, ShardedGradScaler):
-            scaler = ShardedGradScaler(self._device.type, process_group=model.process_group,
+        unit = _fsdp1_unit(model)
+        if unit is not None and not isinstance(self.loss_scaler, ShardedGradScaler):
+            scaler = ShardedGradScaler(self._device.type, process_group=unit.process_group,
                                        **self._scaler_kwargs)
             scaler.load_state_dict(self.loss_scaler.state_dict())
             self.loss_scaler = scaler

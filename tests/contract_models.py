@@ -206,3 +206,39 @@ class ToyTTAModel(BaseTTAModel):
         return [dict(nll=sum(float(p['nll']) for p in preds) / len(preds),
                      correct=float(sum(float(p['correct']) for p in preds) * 2 > len(preds)))
                 for preds in data_samples_list]
+
+
+@MODELS.register_module()
+class OverflowOnRank1GAN(ToyGAN):
+    """``ToyGAN`` whose discriminator gradient overflows in rank 1's shard only, once.
+
+    The first discriminator step puts an inf into one element of rank 1's local
+    gradient (under FSDP1: its shard, after the reduce-scatter) and records
+    whether this rank's parameters changed and the loss scale after the step.
+    """
+
+    record: Optional[dict] = None
+
+    def train_step(self, data: Any, optim_wrapper: OptimWrapperDict) -> dict:
+        if self.record is not None:
+            return super().train_step(data, optim_wrapper)
+        real = self.data_preprocessor(data, True)['inputs']
+        disc = optim_wrapper['discriminator']
+        disc.zero_grad()
+        with disc.optim_context(self.discriminator):
+            fake = self.generator(self.noise(real)).detach()
+            loss_d = (F.softplus(self.discriminator(fake)).mean()
+                      + F.softplus(-self.discriminator(real)).mean())
+        disc.backward(loss_d)
+        if torch.distributed.get_rank() == 1:
+            grad = next(p.grad for p in self.discriminator.parameters()
+                        if p.grad is not None and p.grad.numel())
+            grad.view(-1)[0] = float('inf')
+        before = [p.detach().clone() for p in self.discriminator.parameters()]
+        disc.step()
+        disc.zero_grad()
+        self.record = dict(
+            stepped=any(not torch.equal(a, p) for a, p in zip(before,
+                                                             self.discriminator.parameters())),
+            scale=float(disc.loss_scaler.get_scale()), scaler=type(disc.loss_scaler).__name__)
+        return dict(loss_d=loss_d.detach())

@@ -1,4 +1,5 @@
 """fp16 AMP on CPU with a shard-aware loss scaler; its state survives a resume."""
+import contract_models  # noqa: F401  (registers the models)
 import pytest
 import torch
 from mmengine.config import Config
@@ -63,9 +64,26 @@ def _train(root: str, wrapper: dict, resume: bool) -> dict:
                 losses=[float(v) for v in losses])
 
 
+def _gan_step_with_inf_on_rank_1(root: str) -> dict:
+    """One AMP step of a GAN (its own train_step, two optim wrappers) under FSDP1 (separate
+    roots), the discriminator's gradient overflowing in rank 1's shard only."""
+    from mmfsdp import FSDPRunner
+    amp = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
+               optimizer=dict(type='AdamW', lr=1e-2), loss_scale=dict(init_scale=INIT_SCALE))
+    cfg = runner_config('gan-amp', f'{root}/gan-amp', batch_size=4, max_iters=1,
+                        wrapper=dict(type='mmfsdp.MMFullyShardedDataParallel'),
+                        optim_wrapper=dict(constructor='PerChildOptimConstructor',
+                                           generator=amp, discriminator=amp))
+    cfg['model'] = dict(type='OverflowOnRank1GAN')
+    runner = FSDPRunner.from_cfg(Config(cfg))
+    runner.train()
+    return runner.model.module.record
+
+
 def _all(root: str) -> dict:
     import mmfsdp  # noqa: F401
     out = {}
+    out['gan/inf on rank 1'] = _gan_step_with_inf_on_rank_1(root)
     for key, wrapper in (('fsdp', FSDP1), ('ddp', DDP)):
         out[f'{key}/inf on rank 1'] = _step_with_inf_on_rank_1(wrapper)
     for key, wrapper in (('fsdp', FSDP1), ('ddp', DDP)):
@@ -83,6 +101,14 @@ def ranks(tmp_path_factory) -> list:
 def test_all_ranks_skip_the_step_when_one_rank_sees_inf(ranks, key):
     assert [r[f'{key}/inf on rank 1']['changed'] for r in ranks] == [False, False]
     assert [r[f'{key}/inf on rank 1']['scale'] for r in ranks] == [INIT_SCALE / 2] * 2
+
+
+def test_gan_with_its_own_steps_under_fsdp1_skips_on_every_rank_and_keeps_one_scale(ranks):
+    """Each child is its own FSDP1 root, the wrapper none: the scaler still agrees on inf/nan."""
+    got = [r['gan/inf on rank 1'] for r in ranks]
+    print(f'GAN under FSDP1, inf in rank 1\'s shard: {got}')
+    assert [r['stepped'] for r in got] == [False, False]
+    assert [r['scale'] for r in got] == [INIT_SCALE / 2] * 2
 
 
 @pytest.mark.parametrize('key, scaler', [('fsdp', 'ShardedGradScaler'), ('ddp', 'GradScaler')])
@@ -120,3 +146,24 @@ def test_amp_wrapper_rejects_an_unknown_loss_scale():
     with pytest.raises(TypeError, match="optim_wrapper.loss_scale: expected 'dynamic'"):
         AmpOptimWrapper(optimizer=torch.optim.SGD(ToyClassifier().parameters(), lr=0.1),
                         loss_scale='auto')
+
+
+@pytest.mark.parametrize('name', ['float16', 'bfloat16', 'float32', 'float64'])
+def test_amp_wrapper_accepts_every_dtype_mmengines_does(name):
+    """mmengine's AmpOptimWrapper takes these names and autocasts to ``getattr(torch, name)``."""
+    from mmengine.optim import AmpOptimWrapper as StockAmpOptimWrapper
+
+    from mmfsdp import AmpOptimWrapper
+    assert name in StockAmpOptimWrapper.valid_dtypes
+    model = torch.nn.Linear(6, 3).double()
+    amp = AmpOptimWrapper(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=name)
+    assert amp.cast_dtype is getattr(torch, name)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with amp.optim_context(model):
+        got = model(x)
+    # as the stock wrapper's autocast(dtype=...): torch's autocast with that dtype (on the CPU,
+    # float32 and float64 leave it disabled: the model computes in its own dtype)
+    with torch.autocast('cpu', dtype=getattr(torch, name)):
+        expected = model(x)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
