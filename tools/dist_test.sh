@@ -16,6 +16,10 @@ MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 
+# The CPU allocator of every process started here: jemalloc, else tcmalloc, where
+# installed (MMFSDP_CPU_ALLOCATOR=glibc opts out; see tools/cpu_allocator.sh).
+source "$(dirname "$0")/cpu_allocator.sh"
+
 PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
 "${PYTHON:-python}" -m torch.distributed.run \
     --nnodes="$NNODES" \

@@ -20,6 +20,10 @@ GRES=${GRES-gpu:${GPUS_PER_NODE}}
 SRUN_ARGS=${SRUN_ARGS:-""}
 export MASTER_PORT=${PORT:-${MASTER_PORT:-29500}}
 
+# The CPU allocator of every process started here: jemalloc, else tcmalloc, where
+# installed (MMFSDP_CPU_ALLOCATOR=glibc opts out; see tools/cpu_allocator.sh).
+source "$(dirname "$0")/cpu_allocator.sh"
+
 GRES_ARGS=()
 [[ -n "$GRES" ]] && GRES_ARGS=(--gres="$GRES")
 
