@@ -23,8 +23,6 @@ MIM_FILES = [
     '.mim/tools/*.py',
     '.mim/tools/*.sh',
 ]
-#: The C++ source of the caching CPU allocator, compiled on first use (mmfsdp/cpu_cache.py).
-CSRC_FILES = ['csrc/*.cpp']
 
 
 def requirements() -> list:
@@ -40,7 +38,7 @@ setup(
     long_description=(HERE / 'README.md').read_text(encoding='utf-8'),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmfsdp', 'mmfsdp.*']),
-    package_data={'mmfsdp': MIM_FILES + CSRC_FILES},
+    package_data={'mmfsdp': MIM_FILES},
     python_requires='>=3.9',
     install_requires=requirements(),
     # transformers: the third-party zoo of tests/test_hf_zoo.py (needs no torch extra)

@@ -17,12 +17,6 @@ first, on import, before anything reaches the newer APIs.
   ``_fqn_modifiers``, ``Module._apply`` and the registration dicts
   (``_modules``, ``_parameters``, ``_buffers``), ``TorchDispatchMode`` and
   operator schemas, storage identity on the meta device.
-
-One use lives outside, because it is C++: ``mmfsdp/csrc/caching_cpu_allocator.cpp``
-implements c10's ``Allocator`` interface and installs itself with
-``c10::SetCPUAllocator`` (:mod:`mmfsdp.cpu_cache` compiles it against the
-installed torch's headers); ``tests/test_cpu_cache.py`` builds and installs it,
-so a change of that interface fails there with the compiler's message.
 """
 from .version import MIN_TORCH, check_installed_torch, check_torch_version, parse_version
 

@@ -4,7 +4,6 @@ The rest of the package reaches these only through the names defined here;
 ``tests/test_compat.py`` checks each one against the installed torch, so a
 release that moves or changes one fails the suite loudly.
 """
-import functools
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -30,9 +29,10 @@ __all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', '
            'FSDP_WRAPPED_MODULE', 'HYBRID_SHARD_ZERO2', 'PRIVATE_INITIALISERS',
            'TorchDispatchMode', 'apply_activation_checkpointing', 'argument_names',
            'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors', 'direct_tensor',
-           'direct_tensors', 'enable_cpu_huge_pages', 'fsdp1_reshard_if_gathered', 'initialiser',
+           'direct_tensors', 'fsdp1_reshard_if_gathered', 'initialiser',
            'operator_name', 'registered_buffers', 'registered_child', 'registered_children',
-           'registered_parameters', 'replace_registered', 'storage_key', 'written_arguments',
+           'registered_parameters', 'replace_registered', 'set_fsdp1_gradient_sync',
+           'storage_key', 'written_arguments',
            'fake_tensor_mode', 'GLOO_WORKER_THREAD', 'gloo_worker_threads']
 
 #: The child name torch's FSDP1 gives the module it wraps.
@@ -73,6 +73,15 @@ def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
                 or hasattr(flat_param, '_full_param_padded') and not handle.needs_unshard())
     if gathered:
         _reshard(module, handle, free_unsharded_flat_param=True)
+
+
+def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> None:
+    """Whether this FSDP1 unit's next backward reduces gradients.
+
+    FSDP1's own switch is the ``no_sync`` context, read in backward; mmengine
+    leaves that context before it runs backward, so the flag it sets is set here.
+    """
+    module._sync_gradients = sync  # why: the flag FSDP1's no_sync toggles, read in backward
 
 
 def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
@@ -178,26 +187,6 @@ def operator_name(func: Any) -> str:
 def argument_names(func: Any) -> List[str]:
     """Names of an aten operator's arguments, in order."""
     return [a.name for a in func._schema.arguments]  # why: as written_arguments
-
-
-@functools.cache
-def enable_cpu_huge_pages() -> bool:
-    """Have torch back CPU tensors of 2 MiB and more with transparent huge pages; whether it does.
-
-    Why private: torch has no API for it. c10's CPU allocator reads the
-    environment variable ``THP_MEM_ALLOC_ENABLE`` once, at the first CPU
-    allocation of the process (``c10/core/alloc_cpu.cpp``), and then aligns
-    tensors of 2 MiB and more to the page size and advises the kernel to back
-    them with huge pages (``madvise(MADV_HUGEPAGE)``). Set later, the variable
-    is ignored; so the effect is checked, by the alignment of three fresh
-    (untouched) 2 MiB tensors, once per process: the answer cannot change
-    after torch's first allocation, and a probe inside a runner's construction
-    would count as that runner's memory. A user's own setting is kept.
-    """
-    os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
-    page = os.sysconf('SC_PAGE_SIZE')
-    probes = [torch.empty(2 << 20, dtype=torch.uint8) for _ in range(3)]
-    return all(p.data_ptr() % page == 0 for p in probes)
 
 
 #: The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``).

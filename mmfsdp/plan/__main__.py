@@ -7,8 +7,8 @@ seconds even for billions of parameters), applies the configured wrapper and
 policy, and prints the plan for each world size, as tables or as JSON.
 Then it traces one training step with fake tensors (:mod:`.trace`) on a batch
 shaped like the config's and prints the step's peak per rank, activations
-included (on a CPU host, ``--device cpu``, also the activations that glibc's
-heap keeps resident: :mod:`.host`); ``--batch-size`` and
+included (on a CPU host, ``--device cpu``, also the activations that the
+allocator keeps resident, ``--cpu-allocator``: :mod:`.host`); ``--batch-size`` and
 ``--activation-checkpointing`` ask "what if",
 ``--fit-memory 24GiB`` lists the configurations that fit (:mod:`.fit`).
 
@@ -38,7 +38,7 @@ from ..wrappers.builder import resolve_wrapper_type
 from . import format_plan, plan_for, plan_to_dict, step_peak, trace_for
 from .batch import config_batch, shape_batch
 from .fit import fit, parse_bytes
-from .host import heap_threshold
+from .host import ALLOCATORS, heap_threshold, launch_allocator
 from .report import format_step, size_text
 
 DEFAULT_WRAPPER = dict(type='mmfsdp.MMDistributedDataParallel')
@@ -67,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                         'and checkpointing settings whose peak per rank fits, e.g. 24GiB')
     parser.add_argument('--device', help="the device type the run trains on, e.g. cpu or cuda "
                         '(default: where it would train on this machine); on cpu the peak '
-                        "counts what glibc's heap keeps resident (env_cfg.cpu_allocator)")
+                        'counts the freed blocks that the allocator keeps resident')
+    parser.add_argument('--cpu-allocator', choices=['auto', *ALLOCATORS], default='auto',
+                        help="the malloc of a CPU run (default 'auto': what tools/dist_train.sh "
+                        'preloads on this machine, MMFSDP_CPU_ALLOCATOR and LD_PRELOAD included)')
     parser.add_argument('--no-trace', action='store_true',
                         help='model states only: do not trace a training step')
     return parser
@@ -113,8 +116,11 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
-    heap = heap_threshold(args.device or current_device().type,
-                          (cfg.get('env_cfg') or {}).get('cpu_allocator'))
+    device = args.device or current_device().type
+    allocator = args.cpu_allocator
+    if device == 'cpu' and allocator == 'auto':
+        allocator = launch_allocator()
+    heap = heap_threshold(device, 'glibc' if allocator == 'auto' else allocator)
     units = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
                      ema=ema).spec.units
     checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)

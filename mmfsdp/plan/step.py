@@ -9,7 +9,7 @@ Where gradients are freed between steps (FSDP1, FSDP2: ``zero_grad()`` drops the
 backward creates them as it frees the activations, so the two count once,
 as the larger: ``peak = state - grads + gathered + max(activations, grads) + transient``.
 
-On a CPU host (:mod:`.host`), activations in blocks below glibc's mmap threshold
+On a CPU host (:mod:`.host`), activations in blocks below the allocator's threshold
 stay resident after backward frees them: they make no room for the gradients,
 so they count on their own; and the collectives run on gloo, which stages the
 whole unit of every all-gather (its output) and reduce-scatter (its input) in a
