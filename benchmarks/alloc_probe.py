@@ -11,8 +11,8 @@ starts and before the model is built: the resident set then is the baseline.
 The hook resets the kernel's high-water mark at the start of every training
 iteration and reads it at the end (as :mod:`benchmarks.memory` does), times
 the iteration (wall clock, and the process's user + system CPU time, which a
-loaded machine inflates far less), and writes one JSON file per rank when
-training ends.
+loaded machine inflates far less), notes which allocator the process runs on,
+and writes one JSON file per rank when training ends.
 """
 import json
 import os
@@ -25,10 +25,20 @@ from mmengine.registry import HOOKS
 
 from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-__all__ = ['AllocProbeHook']
+__all__ = ['AllocProbeHook', 'loaded_allocator']
 
 #: The resident set when the config was loaded (imports done, nothing built yet).
 BASELINE_BYTES = rss_bytes()
+
+
+def loaded_allocator() -> str:
+    """The malloc this process runs on: a preloaded jemalloc or tcmalloc, else ``'glibc'``."""
+    with open('/proc/self/maps') as f:
+        for line in f:
+            for name in ('jemalloc', 'tcmalloc'):
+                if f'lib{name}' in line:
+                    return name
+    return 'glibc'
 
 
 def _cpu_seconds() -> float:
@@ -48,8 +58,6 @@ class AllocProbeHook(Hook):
         self.records: List[Dict[str, Any]] = []
 
     def before_train(self, runner: Any) -> None:
-        from mmfsdp.allocator import active_policy
-        self._policy = active_policy()
         self._before_train_bytes = rss_bytes()
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
@@ -71,4 +79,4 @@ class AllocProbeHook(Hook):
             json.dump(dict(rank=runner.rank, world_size=runner.world_size,
                            baseline_bytes=BASELINE_BYTES,
                            before_train_bytes=self._before_train_bytes,
-                           policy=self._policy, records=self.records), f)
+                           allocator=loaded_allocator(), records=self.records), f)

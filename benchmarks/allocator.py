@@ -1,26 +1,32 @@
 """CPU allocator: peak per rank and step time through the documented launch.
 
-``python -m benchmarks.allocator [--world-sizes 2 4] [--rounds 2] [--out JSON]``
+``python -m benchmarks.allocator [--world-sizes 2 4] [--rounds 2] [--append] [--out JSON]``
 
 Every job is started exactly as the README tells a user to:
 ``bash tools/dist_train.sh CONFIG N --work-dir DIR``, from the repository root,
-with the caller's environment minus every glibc malloc variable
-(``MALLOC_*``, ``GLIBC_TUNABLES``): whatever the allocator does, mmfsdp must do
-it itself. ``CONFIG`` is written per job: it inherits
+with the caller's environment minus every allocator variable (``LD_PRELOAD``,
+``MALLOC_*``, ``GLIBC_TUNABLES``, ``MMFSDP_CPU_ALLOCATOR``) plus the arm's own:
+the launch script chooses the allocator (``tools/cpu_allocator.sh``).
+``CONFIG`` is written per job: it inherits
 ``configs/gpt-nano_{fsdp,ddp}_2xcpu.py``, sizes the model as gpt-100m (as in
 :mod:`benchmarks.workload`), turns checkpoints and validation off, and imports
 :mod:`benchmarks.alloc_probe`, whose hook records each rank's peak resident
-set per training iteration above the resident set when the config was loaded.
+set per training iteration above the resident set when the config was loaded,
+and which allocator the rank runs on.
 
-Arms: DDP and FSDP1 FULL_SHARD, each with mmfsdp's default allocator setting
-(no key in the config) and with ``env_cfg.cpu_allocator='glibc'`` (glibc's own
-defaults, the opt-out). One round runs every arm once per world size, the
-order reversed every other round, so that the load of a shared machine falls
-on the arms alike; step-time ratios are taken within a round.
+Arms: DDP and FSDP1 FULL_SHARD under each setting: **launch default** (no
+variable: jemalloc where installed, else tcmalloc), **tcmalloc**
+(``MMFSDP_CPU_ALLOCATOR=tcmalloc``) and **glibc (opt-out)**
+(``MMFSDP_CPU_ALLOCATOR=glibc``: glibc's own defaults). One round runs every
+arm once per world size, the order reversed every other round (ABAB), so that
+the load of a shared machine falls on the arms alike; step-time ratios are
+taken within a round. ``--append`` adds rounds to an earlier run's file, so a
+long measurement can be split into runs of a few minutes each.
 """
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -30,43 +36,31 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .launch import REPO
-from .record import machine, utc_now
+from .record import machine, save_results, utc_now
 from .workload import MODELS
 
-__all__ = ['ARMS', 'RESULTS', 'load', 'main', 'report', 'run_job', 'section_lines', 'summarize']
+__all__ = ['ARMS', 'RESULTS', 'SETTINGS', 'load', 'main', 'report', 'run_job', 'section_lines',
+           'summarize']
 
 #: Strategy label -> the documented config it inherits.
 CONFIGS = {'DDP': 'configs/gpt-nano_ddp_2xcpu.py',
            'FSDP1 FULL_SHARD': 'configs/gpt-nano_fsdp_2xcpu.py'}
-#: Setting label -> the value of env_cfg.cpu_allocator (None: key absent, the default).
-SETTINGS: Dict[str, Any] = {'mmfsdp default': None, 'glibc (opt-out)': 'glibc'}
+#: Setting label -> the variables the arm adds to the launch's environment.
+SETTINGS: Dict[str, Dict[str, str]] = {
+    'launch default': {},
+    'tcmalloc': {'MMFSDP_CPU_ALLOCATOR': 'tcmalloc'},
+    'glibc (opt-out)': {'MMFSDP_CPU_ALLOCATOR': 'glibc'},
+}
 GLIBC = 'glibc (opt-out)'
+DEFAULT = 'launch default'
 ARMS = [(strategy, setting) for strategy in CONFIGS for setting in SETTINGS]
 MiB = 1 << 20
 #: Where ``main`` writes by default and :mod:`benchmarks.report` reads the section from.
 RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'allocator.json')
-#: Earlier runs with other settings (``--setting``), kept for the section's "what else" table.
-EXPLORATION = os.path.join(REPO, 'benchmarks', 'results', 'allocator_explore.json')
-#: What each exploration setting was, in words.
-EXPLORED = {
-    'glibc (opt-out)': "glibc's defaults",
-    'mmfsdp default': 'then the default',
-    'mmap128k': 'mmap_threshold=128 KiB (MALLOC_MMAP_THRESHOLD_=131072 in-process)',
-    'mmap4m': 'mmap_threshold=4 MiB, no huge pages',
-    'mmap1m-nothp': 'mmap_threshold=1 MiB, no huge pages',
-    'trim1': "glibc's defaults + malloc_trim(0) after every iteration",
-    'arena1': "glibc's defaults, one arena (arena_max=1)",
-    'mmap 2 MiB': 'mmap_threshold=2 MiB, huge pages',
-    'release+trim1': 'the default + malloc_trim(0) after every iteration (trim_interval=1)',
-    'release+trim50': 'the default + malloc_trim(0) every 50 iterations (trim_interval=50)',
-    'cache v1 1m': 'caching allocator, first version (unmapped cached blocks on every miss), '
-                   'tensors of 1 MiB and more',
-    'cache v1 64k': 'caching allocator, first version, tensors of 64 KiB and more',
-    'cache64k': "caching allocator, tensors of 64 KiB and more ('cache' before its per-iteration "
-                'bound)',
-}
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
+#: Variables that choose or tune a process's allocator: none leaks in from the caller.
+ALLOCATOR_VARIABLES = ('LD_PRELOAD', 'GLIBC_TUNABLES', 'MMFSDP_CPU_ALLOCATOR')
 
 
 def _free_port() -> int:
@@ -75,8 +69,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config_text(strategy: str, allocator: Any, model: str, batch: int, seq: int,
-                 iters: int, out_dir: str) -> str:
+def _config_text(strategy: str, model: str, batch: int, seq: int, iters: int,
+                 out_dir: str) -> str:
     dims = MODELS[model]
     lines = [
         f"_base_ = [{os.path.join(REPO, CONFIGS[strategy])!r}]",
@@ -93,38 +87,37 @@ def _config_text(strategy: str, allocator: Any, model: str, batch: int, seq: int
         "custom_imports = dict(imports=['benchmarks.alloc_probe'], allow_failed_imports=False)",
         f"custom_hooks = [dict(type='AllocProbeHook', out_dir={out_dir!r})]",
     ]
-    if allocator is not None:
-        lines.append(f'env_cfg = dict(cpu_allocator={allocator!r})')
     return '\n'.join(lines) + '\n'
 
 
-def _clean_env() -> Dict[str, str]:
-    """The caller's environment without glibc malloc settings, for the launcher script."""
+def launch_env(setting: Dict[str, str]) -> Dict[str, str]:
+    """The caller's environment without allocator variables, plus ``setting``'s."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith('MALLOC_') and k != 'GLIBC_TUNABLES'}
-    env.update(PYTHON=sys.executable, PORT=str(_free_port()))
+           if not k.startswith(('MALLOC_', 'JE_MALLOC_', 'TCMALLOC_'))
+           and k not in ALLOCATOR_VARIABLES}
+    env.update(PYTHON=sys.executable, PORT=str(_free_port()), **setting)
     return env
 
 
-def run_job(strategy: str, setting: str, allocator: Any, nproc: int, model: str, batch: int,
-            seq: int, warmup: int, steps: int, timeout: float = 1800) -> Dict[str, Any]:
+def run_job(strategy: str, setting: str, nproc: int, model: str, batch: int, seq: int,
+            warmup: int, steps: int, timeout: float = 1800,
+            settings: Optional[Dict[str, Dict[str, str]]] = None) -> Dict[str, Any]:
     """One documented-launch job; per measured step, the worst rank's peak and time.
 
-    ``allocator`` is the value of ``env_cfg.cpu_allocator`` (``None``: no key),
-    ``setting`` its label in the results.
+    ``setting`` is the arm's label in ``settings`` (default :data:`SETTINGS`).
     """
+    env_vars = (settings or SETTINGS)[setting]
     with tempfile.TemporaryDirectory(prefix='mmfsdp-alloc-') as tmp:
         out_dir = os.path.join(tmp, 'probe')
         config = os.path.join(tmp, f"alloc_{strategy.split()[0].lower()}.py")
         with open(config, 'w') as f:
-            f.write(_config_text(strategy, allocator, model, batch, seq, warmup + steps,
-                                 out_dir))
+            f.write(_config_text(strategy, model, batch, seq, warmup + steps, out_dir))
         cmd = ['bash', 'tools/dist_train.sh', config, str(nproc), '--work-dir',
                os.path.join(tmp, 'work')]
         load = os.getloadavg()[0]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, env=launch_env(env_vars), capture_output=True,
+                              text=True, timeout=timeout)
         wall = time.perf_counter() - start
         if proc.returncode:
             raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}):\n'
@@ -133,15 +126,18 @@ def run_job(strategy: str, setting: str, allocator: Any, nproc: int, model: str,
         for r in range(nproc):
             with open(os.path.join(out_dir, f'rank{r}.json')) as f:
                 ranks.append(json.load(f))
+    announced = re.search(r'^mmfsdp: CPU allocator: .*$', proc.stderr, re.M)
     measured = range(warmup, warmup + steps)
 
     def worst(fn: Any) -> List[float]:
         return [max(fn(r, r['records'][i]) for r in ranks) for i in measured]
 
     return dict(
-        strategy=strategy, setting=setting, world_size=nproc, model=model, batch_size=batch,
-        seq_len=seq, warmup=warmup, steps=steps, wall_s=round(wall, 1), load_before=load,
-        policy=ranks[0]['policy'],
+        strategy=strategy, setting=setting, env=env_vars, world_size=nproc, model=model,
+        batch_size=batch, seq_len=seq, warmup=warmup, steps=steps, wall_s=round(wall, 1),
+        load_before=load, load_after=os.getloadavg()[0],
+        launch_line=announced.group(0) if announced else None,
+        allocator=sorted({r['allocator'] for r in ranks}),
         peak_bytes=worst(lambda r, rec: rec['peak_bytes'] - r['baseline_bytes']),
         peak_rss_bytes=worst(lambda r, rec: rec['peak_bytes']),
         end_rss_bytes=worst(lambda r, rec: rec['end_bytes']),
@@ -164,9 +160,9 @@ def _pooled(results: List[Dict[str, Any]], key: str, **match: Any) -> List[float
     return [v for r in results if all(r[k] == m for k, m in match.items()) for v in r[key]]
 
 
-#: Goals of issue 16 part 4: FSDP FULL_SHARD peak / DDP peak per world size, step-time ratio.
+#: Goals of issue 25 section 4: FSDP FULL_SHARD peak / DDP peak per world size, step-time ratio.
 PEAK_GOALS = {2: 0.60, 4: 0.35}
-TIME_GOAL = 1.10
+TIME_GOAL = 1.15
 
 
 def _time_ratios(results: List[Dict[str, Any]], n: int, strategy: str, setting: str,
@@ -240,7 +236,7 @@ def report(data: Dict[str, Any]) -> str:
                 f"{arm['end_rss_bytes'] / MiB:,.1f} | {_fmt(arm['step_time_s'], 1, 2)} | "
                 f"{_fmt(arm['step_cpu_s'], 1, 2)} |")
     lines += ['', '| N | allocator | FSDP / DDP, net peak (goal) | FSDP / DDP, peak above '
-              'baseline | FSDP step time / glibc\'s: wall (goal ≤ 1.10) | FSDP: CPU | '
+              'baseline | FSDP step time / glibc\'s: wall (goal ≤ 1.15) | FSDP: CPU | '
               'DDP step time / glibc\'s: wall | DDP: CPU |', '|---|---|---|---|---|---|---|---|']
     for row in rows:
         goal = PEAK_GOALS.get(row['world_size'])
@@ -266,46 +262,6 @@ def load(path: str = RESULTS) -> Dict[str, Any]:
         return dict(results=[])
     with open(path) as f:
         return json.load(f)
-
-
-def exploration_lines(path: str = EXPLORATION) -> List[str]:
-    """The settings tried before the default was chosen: FSDP1 peak and step time per run."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        explored = json.load(f)
-    lines = ['| run | N | steps | load average | setting | FSDP1 FULL_SHARD peak above baseline '
-             'MiB, median of steps | at the last step | '
-             "FSDP step s | FSDP step / glibc's, same run | DDP peak MiB |",
-             '|---|---|---|---|---|---|---|---|---|---|']
-    fsdp = 'FSDP1 FULL_SHARD'
-    for run, n in dict.fromkeys((r['run'], r['world_size']) for r in explored['results']):
-        rows = [r for r in explored['results']
-                if r['run'] == run and r['world_size'] == n and r['round'] != 'floor']
-        loads = [r['load_before'] for r in rows]
-        glibc_time = _pooled(rows, 'step_time_s', setting=GLIBC, strategy=fsdp)
-        name = run if rows[0]['model'] == 'gpt-100m' else f"{run} ({rows[0]['model']})"
-        for setting in dict.fromkeys(r['setting'] for r in rows):
-            peak = _pooled(rows, 'peak_bytes', setting=setting, strategy=fsdp)
-            if not peak:  # a DDP-only setting
-                continue
-            last = [r['peak_bytes'][-1] for r in rows
-                    if r['setting'] == setting and r['strategy'] == fsdp]
-            step = _pooled(rows, 'step_time_s', setting=setting, strategy=fsdp)
-            ddp = _pooled(rows, 'peak_bytes', setting=setting, strategy='DDP')
-            policy = next((r['policy'] for r in rows if r['setting'] == setting), None)
-            label = EXPLORED.get(setting, setting)
-            if setting == 'mmfsdp default':
-                label = ("'release': mmap_threshold=1 MiB, huge pages (then the default)"
-                         if policy.get('huge_pages') else
-                         'mmap_threshold=1 MiB (then the default; no huge pages yet)')
-            ratio = f'{_median(step) / _median(glibc_time):.2f}' if glibc_time else '—'
-            lines.append(
-                f"| {name} | {n} | {rows[0]['steps']} | {min(loads):.1f}–{max(loads):.1f} | "
-                f'{label} | {_median(peak) / MiB:,.0f} | {_median(last) / MiB:,.0f} | '
-                f'{_median(step):.2f} | {ratio} | '
-                f"{f'{_median(ddp) / MiB:,.0f}' if ddp else '—'} |")
-    return lines + (['', explored['note']] if explored.get('note') else [])
 
 
 def section_lines(data: Dict[str, Any]) -> List[str]:
@@ -346,12 +302,6 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         + (f" ({data['machine_use']})" if data.get('machine_use') else '') + '.', '']
     lines += report(data).split('\n') + ['']
     lines += _reading(data)
-    explored = exploration_lines()
-    if explored:
-        lines += ['**What else was tried** (same benchmark, gpt-100m unless the run names '
-                  'another model, `--setting` arms and earlier runs, '
-                  '`benchmarks/results/allocator_explore.json`; wall-clock steps, medians over '
-                  'the run\'s rounds):', ''] + explored + ['']
     return lines
 
 
@@ -402,6 +352,11 @@ def _reading(data: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _next_round(results: List[Dict[str, Any]], n: int) -> int:
+    rounds = [r['round'] for r in results if r['world_size'] == n and r['round'] != 'floor']
+    return max(rounds) + 1 if rounds else 0
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog='python -m benchmarks.allocator',
@@ -416,7 +371,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--arms', nargs='+', default=None,
                         help='subset of arms as STRATEGY/SETTING, e.g. "DDP/glibc (opt-out)"')
     parser.add_argument('--setting', action='append', default=[], metavar='LABEL=JSON',
-                        help='an extra allocator setting: LABEL=value of env_cfg.cpu_allocator')
+                        help='an extra arm: LABEL={"VARIABLE": "value", ...} added to the '
+                             "launch's environment, e.g. 'jemalloc bg={\"MALLOC_CONF\": "
+                             "\"background_thread:true\"}'")
+    parser.add_argument('--no-floor', action='store_true',
+                        help='skip the gpt-tiny floor jobs (an --append run that has them)')
+    parser.add_argument('--append', action='store_true',
+                        help='add rounds to the results already in --out')
     parser.add_argument('--out', default=RESULTS)
     parser.add_argument('--machine-use', default=None, metavar='TEXT',
                         help='what else ran on the machine meanwhile, in words, for the report')
@@ -428,35 +389,41 @@ def main(argv: Optional[List[str]] = None) -> None:
     arms = [(strategy, label) for strategy in CONFIGS for label in settings]
     if args.arms is not None:
         arms = [tuple(a.split('/', 1)) for a in args.arms]
-    data: Dict[str, Any] = dict(
-        command='python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:]),
-        date_utc=utc_now(), machine=machine(),
-        machine_use=args.machine_use, results=[])
-    for rnd in range(args.rounds):
+    command = 'python -m benchmarks.allocator ' + ' '.join(argv or sys.argv[1:])
+    if args.append and os.path.exists(args.out):
+        data = load(args.out)
+        data.setdefault('commands', [data.get('command')]).append(command)
+    else:
+        data = dict(command=command, commands=[command], date_utc=utc_now(), machine=machine(),
+                    machine_use=args.machine_use, results=[])
+    if args.machine_use:
+        data['machine_use'] = args.machine_use
+    for _ in range(args.rounds):
         for n in args.world_sizes:
-            if rnd == 0 and args.model != FLOOR_MODEL:
+            has_floor = any(r['round'] == 'floor' and r['world_size'] == n
+                            for r in data['results'])
+            if not (args.no_floor or has_floor) and args.model != FLOOR_MODEL:
                 for strategy, setting in arms:  # the floor: what no model adds
                     print(f'floor N={n} {strategy} / {setting}', file=sys.stderr, flush=True)
-                    result = run_job(strategy, setting, settings[setting], n, FLOOR_MODEL,
-                                     args.batch_size, args.seq_len, args.warmup, args.steps)
+                    result = run_job(strategy, setting, n, FLOOR_MODEL, args.batch_size,
+                                     args.seq_len, args.warmup, args.steps, settings=settings)
                     result['round'] = 'floor'
                     data['results'].append(result)
-            order = arms if rnd % 2 == 0 else arms[::-1]
+            label = _next_round(data['results'], n)
+            order = arms if label % 2 == 0 else arms[::-1]
             for strategy, setting in order:
-                print(f'round {rnd} N={n} {strategy} / {setting}', file=sys.stderr, flush=True)
-                result = run_job(strategy, setting, settings[setting], n, args.model,
-                                 args.batch_size, args.seq_len, args.warmup, args.steps)
-                result['round'] = rnd
+                print(f'round {label} N={n} {strategy} / {setting}', file=sys.stderr,
+                      flush=True)
+                result = run_job(strategy, setting, n, args.model, args.batch_size,
+                                 args.seq_len, args.warmup, args.steps, settings=settings)
+                result['round'] = label
                 data['results'].append(result)
-                print(f"  peak {_fmt(result['peak_bytes'])} MiB, step "
-                      f"{_fmt(result['step_time_s'], 1, 2)} s, job {result['wall_s']} s",
-                      file=sys.stderr, flush=True)
-                os.makedirs(os.path.dirname(args.out), exist_ok=True)
-                with open(args.out, 'w') as f:
-                    json.dump(data, f, indent=1)
+                print(f"  {result['allocator']}: peak {_fmt(result['peak_bytes'])} MiB, step "
+                      f"{_fmt(result['step_time_s'], 1, 2)} s, job {result['wall_s']} s, "
+                      f"load {result['load_before']:.2f}", file=sys.stderr, flush=True)
+                save_results(args.out, data)
     data['date_end_utc'] = utc_now()
-    with open(args.out, 'w') as f:
-        json.dump(data, f, indent=1)
+    save_results(args.out, data)
     print(report(data))
 
 

@@ -5,12 +5,13 @@ measurement happens in fresh processes, so that their memory is their own.
 """
 import json
 import os
+import subprocess
 import sys
 from typing import Any, Dict, List, Optional
 
 from .job import Job
 
-__all__ = ['JobFailed', 'MEMORY_KINDS', 'REPO', 'torchrun']
+__all__ = ['JobFailed', 'MEMORY_KINDS', 'REPO', 'preload_for', 'torchrun']
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Kinds whose results are resident-set sizes.
@@ -23,14 +24,33 @@ MEMORY_KINDS = frozenset({'memory', 'construction', 'checkpoint', 'accumulation'
 MMAP_THRESHOLD = 1 << 20
 
 
+def preload_for(cpu_allocator: str) -> str:
+    """The ``LD_PRELOAD`` the launch scripts set for ``MMFSDP_CPU_ALLOCATOR=cpu_allocator``.
+
+    Runs their own chooser (``tools/cpu_allocator.sh``); an allocator that is not
+    installed is an error, with the chooser's message.
+    """
+    env = {k: v for k, v in os.environ.items() if k != 'LD_PRELOAD'}
+    env['MMFSDP_CPU_ALLOCATOR'] = cpu_allocator
+    chooser = os.path.join(REPO, 'tools', 'cpu_allocator.sh')
+    proc = subprocess.run(['bash', '-c', 'source "$1" && printf %s "${LD_PRELOAD:-}"', 'bash',
+                           chooser], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.strip())
+    return proc.stdout
+
+
 class JobFailed(RuntimeError):
     """A torchrun job exited with an error or printed fewer results than cases."""
 
 
 def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
-             exact_allocator: Optional[bool] = None) -> List[Dict[str, Any]]:
+             exact_allocator: Optional[bool] = None,
+             cpu_allocator: str = 'glibc') -> List[Dict[str, Any]]:
     """Run ``cases`` in one ``torchrun --standalone --nproc-per-node nproc`` job.
 
+    ``cpu_allocator``: ``'glibc'``, or ``'jemalloc'`` / ``'tcmalloc'``, preloaded as
+    the launch scripts preload it (:func:`preload_for`). Under glibc,
     ``exact_allocator`` (default: whether any case measures memory) sets
     ``MALLOC_MMAP_THRESHOLD_`` in the job's environment (see :data:`MMAP_THRESHOLD`).
     A job past ``timeout`` is killed with all its processes (:class:`~benchmarks.job.Job`),
@@ -41,8 +61,12 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
         exact_allocator = any(c['kind'] in MEMORY_KINDS for c in cases)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get('PYTHONPATH')) if p))
-    env.pop('MALLOC_MMAP_THRESHOLD_', None)
-    if exact_allocator:
+    for name in ('MALLOC_MMAP_THRESHOLD_', 'LD_PRELOAD', 'MALLOC_CONF'):
+        env.pop(name, None)
+    if cpu_allocator != 'glibc':
+        env['LD_PRELOAD'] = preload_for(cpu_allocator)
+        exact_allocator = False
+    elif exact_allocator:
         env['MALLOC_MMAP_THRESHOLD_'] = str(MMAP_THRESHOLD)
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node',
            str(nproc), '-m', 'benchmarks.worker', '--cases', json.dumps(cases)]
@@ -64,4 +88,5 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
                         '\n'.join(ranks[-60:] or stderr.splitlines()[-60:]))
     for result in results:
         result['exact_allocator'] = exact_allocator
+        result['cpu_allocator'] = cpu_allocator
     return results

@@ -16,6 +16,7 @@ behind the local parameters, gradients and optimizer state, each storage once
 buckets; FSDP2 parameters are DTensors whose local tensors are padded shards).
 """
 import ctypes
+import os
 import statistics
 from typing import Dict, Iterable, List, Optional
 
@@ -67,11 +68,16 @@ def malloc_live_bytes() -> Optional[int]:
     use plus chunks mapped on their own (``mallinfo2``); ``None`` without glibc >= 2.33.
 
     Tensors (torch's CPU allocator calls ``posix_memalign``) and C++ objects are in it;
-    the interpreter's small objects are not (pymalloc maps its own arenas).
+    the interpreter's small objects are not (pymalloc maps its own arenas). ``None`` too
+    under a preloaded jemalloc or tcmalloc.
     """
-    from mmfsdp.allocator import glibc
-    libc = glibc()
-    if libc is None or not hasattr(libc, 'mallinfo2'):
+    if any(name in os.environ.get('LD_PRELOAD', '') for name in ('jemalloc', 'tcmalloc')):
+        return None  # glibc's counters would describe a malloc nothing calls
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:  # not glibc
+        return None
+    if not hasattr(libc, 'mallinfo2'):
         return None
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()

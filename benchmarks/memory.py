@@ -31,7 +31,6 @@ from .comm import CollectiveCounter, ddp_counting_hook
 from .measure import model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, summary
 from .workload import (
     BYTES_PER_ELEMENT,
-    MEASURED_ALLOCATOR,
     STRATEGIES,
     build_model,
     make_runner,
@@ -95,14 +94,12 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     strategy = STRATEGIES[case['strategy']]
     wrapper_cfg = dict(strategy.wrapper_cfg, **case.get('wrapper_options', {}))
     world = dist.get_world_size()
-    allocator = case.get('cpu_allocator', MEASURED_ALLOCATOR)
-    warm_up_bytes = warm_up(wrapper_cfg, case['name'], allocator) if case['warm_up'] else 0
+    warm_up_bytes = warm_up(wrapper_cfg, case['name']) if case['warm_up'] else 0
     baseline = rss_bytes()  # before the model is built
     counter = CollectiveCounter()
     with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir, counter:
         cfg = runner_cfg(case['model'], wrapper_cfg, work_dir, case['name'],
-                         case['batch_size'], case['seq_len'], case['warmup'] + case['steps'],
-                         cpu_allocator=allocator)
+                         case['batch_size'], case['seq_len'], case['warmup'] + case['steps'])
         runner = make_runner(cfg)
         probe = _StepProbe(counter)
         runner.register_hook(probe, priority='VERY_LOW')

@@ -198,9 +198,7 @@ def _mmfsdp(label: str) -> Callable[[str, str, str], Trainer]:
         cfg.model = peer_model_cfg(preset, init_file)
         cfg.randomness = dict(seed=SEED)
         cfg.train_dataloader = _train_dataloader()
-        # Equal settings: every arm allocates as the job's environment says (Method);
-        # what mmfsdp's own default ('cache') saves is the CPU allocator section's.
-        cfg.env_cfg = dict(cfg.get('env_cfg', {}), cpu_allocator='glibc')
+        # Equal settings: every arm allocates as the job's environment says (Method).
         return _runner_trainer(make_runner(cfg))
     return build
 

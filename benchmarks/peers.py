@@ -54,14 +54,14 @@ ARM_LABELS = ['torch FSDP1', 'torch FSDP2', 'torch DDP', 'mmfsdp FSDP1', 'mmfsdp
 
 
 def plan_cases(model: str, arms: List[str], steps: int, timed_from: int, batch_size: int,
-               seq_len: int, memory_steps: int, cpu_allocator: str = 'job',
+               seq_len: int, memory_steps: int, cpu_allocator: str = 'glibc',
                memory_repeats: int = 1) -> Dict[str, Any]:
     """The memory cases (one per arm and repeat, every arm once before any twice) and
     the interleaved case of a run.
 
-    ``cpu_allocator``: ``'job'``, every arm allocates as the job's environment
-    says (the mmfsdp arms opt out of their own setting); ``'cache'``, every
-    arm's processes install mmfsdp's caching CPU allocator first.
+    ``cpu_allocator``: every arm's malloc, ``'glibc'`` (as the job's environment
+    says), or ``'jemalloc'`` / ``'tcmalloc'`` preloaded into every process as the
+    launch scripts preload it (:func:`benchmarks.launch.torchrun`).
     """
     unknown = [a for a in arms if a not in ARM_LABELS]
     if unknown:
@@ -252,9 +252,6 @@ def gathered_in_shared_dir(work: Callable[[str], Any]) -> Optional[List[Any]]:
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     """Run one peers case in this torchrun job; rank 0 returns the result."""
     import torch.distributed as dist
-    if case.get('cpu_allocator') == 'cache':  # before any arm allocates: the same for all
-        from mmfsdp.allocator import POLICIES, apply_policy
-        apply_policy(POLICIES['cache'], 'cpu')
     measure = _memory_case if case['mode'] == 'memory' else _interleaved_case
     gathered = gathered_in_shared_dir(lambda work_dir: measure(case, work_dir))
     if gathered is None:
@@ -279,7 +276,8 @@ def _run_job(case: Dict[str, Any], nproc: int, exact_allocator: bool, timeout: f
              log: Any) -> Dict[str, Any]:
     load, start = _load_average(), time.perf_counter()
     try:
-        result = torchrun([case], nproc, timeout=timeout, exact_allocator=exact_allocator)[0]
+        result = torchrun([case], nproc, timeout=timeout, exact_allocator=exact_allocator,
+                          cpu_allocator=case.get('cpu_allocator', 'glibc'))[0]
     except JobFailed as e:
         result = dict(case, job_failed=str(e)[-3000:])
     result.update(load_before=load, load_after=_load_average(),
@@ -342,9 +340,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f'subset of {ARM_LABELS}')
     p.add_argument('--skip-memory', action='store_true', help='only the interleaved job')
     p.add_argument('--skip-interleaved', action='store_true', help='only the memory jobs')
-    p.add_argument('--cpu-allocator', choices=['job', 'cache'], default='job',
-                   help="'job': as the job's environment says, for every arm; 'cache': every "
-                        "arm's processes install mmfsdp's caching CPU allocator first")
+    p.add_argument('--cpu-allocator', choices=['glibc', 'jemalloc', 'tcmalloc'],
+                   default='glibc', help="every arm's malloc: glibc as the job's environment "
+                   'says, or one preloaded into every process as the launch scripts do')
     p.add_argument('--timeout', type=float, default=600, help='seconds per memory job')
     p.add_argument('--out', default=RESULTS, help='results JSON')
     return p

@@ -1,14 +1,14 @@
 """Tensor bytes per step, counted exactly: ``python -m benchmarks.tensor_peaks [--arms ...]``.
 
 The peers' memory jobs (:mod:`benchmarks.peers`) measure the resident set,
-which also holds what is not a tensor: the interpreter's objects, glibc's heap
-and its fragments. To tell tensors from the rest, each job here installs
-mmfsdp's caching CPU allocator (:mod:`mmfsdp.cpu_cache`) for every tensor of
-4 KiB and more before the arm is built, and reads its counters: per step the
-live tensor bytes when the step starts, the most live at once during it (the
-cache's bound, reset by ``release()`` before the step), and at its end, all
-above the live bytes before the arm was built. One torchrun job per arm (gloo,
-CPU), the same model, batches and initial weights as the peers run.
+which also holds what is not a tensor: the interpreter's objects, malloc's heap
+and its fragments. To tell tensors from the rest, each job records every
+allocation and free of torch's CPU allocator from just before the arm is built
+(``torch.profiler`` with ``profile_memory=True``) and sums those of 4 KiB and
+more: per step the live tensor bytes when the step starts, the most live at
+once during it, and at its end, all above the live bytes before the arm was
+built. One torchrun job per arm (gloo, CPU), the same model, batches and
+initial weights as the peers run.
 
 Beside the tensors, each job counts the Python objects the arm holds after its
 last step (``tracemalloc``, started before the arm is built, by the package
@@ -24,34 +24,68 @@ import json
 import os
 import sys
 import sysconfig
+import time
 import tracemalloc
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .launch import REPO, torchrun
 
 __all__ = ['main', 'run_case']
 
 RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'tensor_peaks.json')
-#: Tensors this small or larger are counted (smaller ones keep torch's allocator).
+#: Tensors this small or larger are counted.
 MIN_BYTES = 4096
 MiB = 1 << 20
 
 
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     """Build one arm in this torchrun job, train ``steps`` steps; rank 0 returns the counts."""
-    from mmfsdp import cpu_cache
-    installed = cpu_cache.install(MIN_BYTES, huge_pages=False)
-    if not installed.installed:
-        raise RuntimeError(f'mmfsdp.cpu_cache {installed.reason}')
     from .peers import gathered_in_shared_dir
-    gathered = gathered_in_shared_dir(lambda work_dir: _count(case, work_dir, cpu_cache))
+    gathered = gathered_in_shared_dir(lambda work_dir: _count(case, work_dir))
     return {} if gathered is None else dict(case, ranks=gathered)
 
 
-def _count(case: Dict[str, Any], work_dir: str, cpu_cache: Any) -> Dict[str, Any]:
+def allocation_events(prof: Any) -> List[Tuple[int, int]]:
+    """``(time ns, bytes)`` of every CPU allocation (bytes > 0) and free (< 0) a profile
+    recorded, in time order.
+
+    Why private: the public ``torch.profiler`` API aggregates memory per operator; the
+    event tree of its results holds each allocation with its time and size (torch's own
+    ``torch.profiler._memory_profiler`` reads it so).
+    """
+    from torch._C._profiler import _EventType
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == 'cpu':
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    return sorted(events)
+
+
+def tensor_steps(events: List[Tuple[int, int]], steps: List[Tuple[int, int]],
+                 min_bytes: int = MIN_BYTES) -> List[Dict[str, int]]:
+    """Per ``(start ns, end ns)`` step: the live bytes of blocks of ``min_bytes`` and more
+    (above those at the first event) at its start, the most during it, and at its end."""
+    out, live, i = [], 0, 0
+    for start, end in steps:
+        while i < len(events) and events[i][0] < start:
+            live += events[i][1] if abs(events[i][1]) >= min_bytes else 0
+            i += 1
+        at_start = peak = live
+        while i < len(events) and events[i][0] <= end:
+            live += events[i][1] if abs(events[i][1]) >= min_bytes else 0
+            peak = max(peak, live)
+            i += 1
+        out.append(dict(start=at_start, peak=peak, end=live))
+    return out
+
+
+def _count(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     """This rank's counts: tensor bytes per step, Python objects held after the last."""
     import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
     from . import peer_arms
     from .peers import _batches, _init_file, _warm_up
@@ -63,23 +97,22 @@ def _count(case: Dict[str, Any], work_dir: str, cpu_cache: Any) -> Dict[str, Any
     gc.collect()
     tracemalloc.start()
     python_before = tracemalloc.take_snapshot()
-    base = cpu_cache.stats().live_bytes
-    trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
-    steps = []
+    marks = []
+    trainer = None
     try:
-        for batch in batches:
-            gc.collect()
-            cpu_cache.release()  # the bound restarts at the live bytes
-            start = cpu_cache.stats().live_bytes
-            trainer.step(batch)
-            end = cpu_cache.stats()
-            steps.append(dict(start=start - base, peak=end.bound - base, end=end.live_bytes - base))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
+            for batch in batches:
+                gc.collect()
+                start = time.time_ns()
+                trainer.step(batch)
+                marks.append((start, time.time_ns()))
         gc.collect()
         python_held = held_by_package(python_before, tracemalloc.take_snapshot())
     finally:
         tracemalloc.stop()
         peer_arms.release(trainer)
-    return dict(steps=steps, python_held=python_held)
+    return dict(steps=tensor_steps(allocation_events(prof), marks), python_held=python_held)
 
 
 def package_of(filename: str) -> str:

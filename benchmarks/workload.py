@@ -101,21 +101,13 @@ def build_model(preset: str, device: Optional[str] = None) -> Any:
         return GPT(VOCAB_SIZE, BLOCK_SIZE, **MODELS[preset])
 
 
-#: ``env_cfg.cpu_allocator`` of the benchmarks' runners: a freed block of 1 MiB or more leaves
-#: the resident set at once, so a resident-set peak measures the live tensors.
-MEASURED_ALLOCATOR = 'release'
-
-
 def runner_cfg(preset: str, wrapper_cfg: Dict[str, Any], work_dir: str, name: str,
                batch_size: int, seq_len: int, max_iters: int,
-               train_cfg: Optional[Dict[str, Any]] = None,
-               cpu_allocator: Any = MEASURED_ALLOCATOR) -> Any:
+               train_cfg: Optional[Dict[str, Any]] = None) -> Any:
     """An FSDPRunner config: the demo GPT on the stdlib corpus, AdamW, no checkpoints.
 
     ``train_cfg`` (a loop with a ``type``) replaces the iteration-based loop.
-    ``cpu_allocator`` is ``env_cfg.cpu_allocator``, :data:`MEASURED_ALLOCATOR`
-    by default (every section but the CPU allocator's, which measures mmfsdp's
-    default through the documented launch, was measured so).
+    The CPU allocator is the job's environment's (:func:`benchmarks.launch.torchrun`).
     """
     from mmengine.config import Config
     train = dict(train_cfg) if train_cfg else dict(by_epoch=False, max_iters=max_iters)
@@ -124,7 +116,7 @@ def runner_cfg(preset: str, wrapper_cfg: Dict[str, Any], work_dir: str, name: st
         work_dir=work_dir, launcher='pytorch', log_level='WARNING', experiment_name=name,
         runner_type='mmfsdp.FSDPRunner', model_wrapper_cfg=wrapper_cfg,
         randomness=dict(seed=0),
-        env_cfg=dict(dist_cfg=dict(timeout=900), cpu_allocator=cpu_allocator),
+        env_cfg=dict(dist_cfg=dict(timeout=900)),
         train_dataloader=dict(
             dataset=dict(type='mmfsdp.StdlibCharDataset', block_size=seq_len,
                          max_chars=200_000),
@@ -141,8 +133,7 @@ def make_runner(cfg: Any) -> Any:
     return mmfsdp.FSDPRunner.from_cfg(cfg)
 
 
-def warm_up(wrapper_cfg: Dict[str, Any], name: str,
-            cpu_allocator: Any = MEASURED_ALLOCATOR) -> int:
+def warm_up(wrapper_cfg: Dict[str, Any], name: str) -> int:
     """Train the tiny GPT for one step under ``wrapper_cfg``; return the resident-set growth.
 
     Everything that does not depend on the model's size is paid here, before a
@@ -158,7 +149,7 @@ def warm_up(wrapper_cfg: Dict[str, Any], name: str,
     before = rss_bytes()
     with tempfile.TemporaryDirectory(prefix='mmfsdp-bench-') as work_dir:
         runner = make_runner(runner_cfg('gpt-tiny', wrapper_cfg, work_dir, f'{name}-warm-up',
-                                        1, 16, 1, cpu_allocator=cpu_allocator))
+                                        1, 16, 1))
         runner.train()
         del runner
     gc.collect()

@@ -122,23 +122,44 @@ def test_report_rewrite_keeps_the_peak_truth_section_before_the_observations(smo
         assert text.index('## 11. The peers') < text.index(block) < text.index('## Observations')
 
 
-def test_allocator_exploration_names_the_model_and_leaves_missing_ratios_out(tmp_path):
-    """A run without a glibc arm has no step-time ratio; a run on another model says so."""
-    from benchmarks.allocator import exploration_lines
+def _allocator_job(setting, strategy, peak_mib, step_s, rnd, n=2):
+    return dict(world_size=n, setting=setting, strategy=strategy, round=rnd,
+                peak_bytes=[peak_mib << 20] * 2, peak_rss_bytes=[peak_mib << 20] * 2,
+                end_rss_bytes=[peak_mib << 20] * 2, step_time_s=[step_s] * 2,
+                step_cpu_s=[step_s] * 2)
 
-    def job(setting, peaks):
-        return dict(run='explore9', world_size=2, model='gpt-25m', steps=len(peaks), round=0,
-                    strategy='FSDP1 FULL_SHARD', setting=setting, load_before=1.0,
-                    policy=dict(huge_pages=True), peak_bytes=[p << 20 for p in peaks],
-                    step_time_s=[1.0] * len(peaks))
 
-    path = tmp_path / 'explore.json'
-    path.write_text(json.dumps(dict(note='n', results=[job('mmfsdp default', [300, 320, 330]),
-                                                        job('release+trim1', [300, 310, 310])])))
-    rows = exploration_lines(str(path))[2:4]
-    assert rows[0].startswith('| explore9 (gpt-25m) | 2 | 3 |')
-    assert '| 320 | 330 | 1.00 | — |' in rows[0]
-    assert 'trim_interval=1' in rows[1] and '| 310 | 310 |' in rows[1]
+def test_allocator_report_nets_the_floor_and_times_each_arm_against_glibc_in_its_round():
+    """Net peak = peak - the gpt-tiny floor of the same arm; FSDP / DDP per setting; the
+    step-time ratio to glibc's is taken within a round, and judged against 1.15."""
+    from benchmarks.allocator import DEFAULT, GLIBC, summarize
+    jobs = [_allocator_job(s, st, 100, 1.0, 'floor') for s in (DEFAULT, GLIBC)
+            for st in ('DDP', 'FSDP1 FULL_SHARD')]
+    for rnd, slow in ((0, 1.0), (1, 2.0)):  # the machine twice as loaded in round 1
+        jobs += [_allocator_job(GLIBC, 'DDP', 1100, 1.0 * slow, rnd),
+                 _allocator_job(GLIBC, 'FSDP1 FULL_SHARD', 1000, 2.0 * slow, rnd),
+                 _allocator_job(DEFAULT, 'DDP', 1100, 1.0 * slow, rnd),
+                 _allocator_job(DEFAULT, 'FSDP1 FULL_SHARD', 600, 2.2 * slow, rnd)]
+    rows = {r['setting']: r for r in summarize(dict(results=jobs))}
+    assert rows[GLIBC]['net_peak_ratio'] == 900 / 1000
+    assert rows[DEFAULT]['net_peak_ratio'] == 500 / 1000
+    assert rows[DEFAULT]['FSDP1 FULL_SHARD']['time_ratios'] == pytest.approx([1.1, 1.1])
+    from benchmarks.allocator import report
+    text = report(dict(results=jobs))
+    assert f'| 2 | {DEFAULT} | 0.500 (≤ 0.6: **pass**) |' in text
+    assert '1.10 (1.10–1.10) **pass**' in text
+
+
+def test_allocator_jobs_take_no_allocator_setting_from_the_caller(monkeypatch):
+    """Every arm gets the launch's choice and its own variables, nothing of the caller's."""
+    from benchmarks.allocator import SETTINGS, launch_env
+    monkeypatch.setenv('LD_PRELOAD', '/usr/lib/libtcmalloc.so')
+    monkeypatch.setenv('MALLOC_CONF', 'background_thread:true')
+    monkeypatch.setenv('MALLOC_ARENA_MAX', '1')
+    monkeypatch.setenv('MMFSDP_CPU_ALLOCATOR', 'glibc')
+    env = launch_env(SETTINGS['launch default'])
+    assert not {'LD_PRELOAD', 'MALLOC_CONF', 'MALLOC_ARENA_MAX', 'MMFSDP_CPU_ALLOCATOR'} & set(env)
+    assert launch_env(SETTINGS['tcmalloc'])['MMFSDP_CPU_ALLOCATOR'] == 'tcmalloc'
 
 
 @pytest.mark.parametrize('full_started, file_started, taken', [
@@ -170,14 +191,14 @@ def test_peak_truth_section_adds_a_line_per_run_under_another_allocator(tmp_path
     def result(name: str, measured: int, predicted: int) -> dict:
         return dict(name=name, model='gpt-25m', peak_bytes=dict(median=measured),
                     predicted=dict(peak_bytes=predicted))
-    other = tmp_path / 'peak_truth_cache.json'
-    other.write_text(json.dumps([result('a/cache', 100, 104), result('b/cache', 100, 80)]))
+    other = tmp_path / 'peak_truth_jemalloc.json'
+    other.write_text(json.dumps([result('a/jemalloc', 100, 104), result('b/jemalloc', 100, 80)]))
     doc = tmp_path / 'doc.md'
     doc.write_text(f'head\n{BEGIN}\nthe previous section\n{END}\ntail\n')
     write_section([], str(doc), others=[str(other)])
     text = doc.read_text()
-    assert ("Under `env_cfg.cpu_allocator='cache'` (`--cpu-allocator cache`, "
-            '`benchmarks/results/peak_truth_cache.json`, gpt-25m): **1 of 2 cases within 10 %**, '
-            'errors -20.0% to +4.0%.') in text
+    assert ('Under jemalloc preloaded (`--cpu-allocator jemalloc`, '
+            '`benchmarks/results/peak_truth_jemalloc.json`, gpt-25m): **1 of 2 cases within '
+            "10 %**, errors -20.0% to +4.0%.") in text
     assert text.startswith('head\n') and text.endswith(f'{END}\ntail\n')
     assert 'the previous section' not in text

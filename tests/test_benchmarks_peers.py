@@ -8,6 +8,7 @@ timed round. The third-party arms (accelerate, Lightning) are not run here:
 they are optional dependencies and their runs belong to ``python -m benchmarks.peers``.
 """
 import io
+import os
 import subprocess
 import sys
 
@@ -232,7 +233,7 @@ def tensor_peaks():
 
 
 def test_mmfsdp_ddp_holds_and_adds_the_same_tensor_bytes_as_torch_ddp(tensor_peaks):
-    """Tensors of 4 KiB and more, counted by mmfsdp's cache: within each step mmfsdp
+    """Tensors of 4 KiB and more, counted from torch's profiler: within each step mmfsdp
     DDP's rise exactly as hand-written torch DDP's, and between steps it holds the same."""
     mine, theirs = tensor_peaks['mmfsdp DDP']['ranks'], tensor_peaks['torch DDP']['ranks']
     for rank, (m_rank, t_rank) in enumerate(zip(mine, theirs)):
@@ -264,7 +265,7 @@ def test_what_the_runner_holds_besides_tensors_is_counted_by_package(tensor_peak
 def test_malloc_live_bytes_count_a_tensor_while_it_lives():
     """The live bytes that tell memory in use from placement: a tensor is in them from its
     allocation to its free (torch's CPU allocator takes it from glibc's malloc). In a
-    fresh process: a runner built by another test may have installed mmfsdp's cache here."""
+    fresh process, with glibc's malloc (no allocator preloaded)."""
     code = (
         'import torch\n'
         'from benchmarks.measure import malloc_live_bytes\n'
@@ -273,7 +274,8 @@ def test_malloc_live_bytes_count_a_tensor_while_it_lives():
         'during = malloc_live_bytes()\n'
         'del tensor\n'
         'print(before, during, malloc_live_bytes())\n')
+    env = {k: v for k, v in os.environ.items() if k != 'LD_PRELOAD'}
     out = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+                         text=True, timeout=120, check=True, env=env).stdout
     before, during, after = map(int, out.split())
     assert during - before >= 8 << 20 and during - after >= 8 << 20
