@@ -18,17 +18,17 @@ import dataclasses
 import hashlib
 import re
 import sys
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 import mmengine
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .options import wrapper_options
-from .protocol import is_parallel_wrapper
 from .release import __version__
 from .together import control_group
+from .wrappers.base import Layout
+from .wrappers.builder import Wrapping
 
 __all__ = ['FIELDS', 'RankDisagreement', 'check_ranks_agree', 'fingerprint']
 
@@ -47,19 +47,16 @@ def _clean(value: Any) -> str:
     return _ADDRESS.sub('', repr(value))
 
 
-def _wrapper_lines(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> List[str]:
-    lines = [f'type: {wrapper_cls.__module__}.{wrapper_cls.__qualname__}']
-    lines += [f'{key}: {_clean(wrapper_cfg[key])}' for key in sorted(wrapper_cfg)
-              if key != 'type']
+def _wrapper_lines(wrapping: Wrapping) -> List[str]:
+    lines = [f'type: {wrapping.cls.__module__}.{wrapping.cls.__qualname__}']
+    lines += [f'{key}: {_clean(wrapping.options[key])}' for key in sorted(wrapping.options)]
     return lines
 
 
-def fingerprint(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[str, Any],
+def fingerprint(model: nn.Module, wrapping: Wrapping, layout: Optional[Layout],
                 world_size: int) -> Dict[str, List[str]]:
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
-    spec = None
-    if is_parallel_wrapper(wrapper_cls):
-        spec = wrapper_cls.sharding_spec(wrapper_options(wrapper_cfg), model, world_size)
+    spec = wrapping.sharding_spec(layout, world_size) if layout is not None else None
     return {
         'versions': [f'mmfsdp {__version__}', f'torch {torch.__version__}',
                      f'mmengine {mmengine.__version__}',
@@ -67,7 +64,7 @@ def fingerprint(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[str, A
         'parameters': [f'{name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}'
                        for name, p in model.named_parameters()],
         'buffers': [f'{name} {tuple(b.shape)} {b.dtype}' for name, b in model.named_buffers()],
-        'model_wrapper_cfg': _wrapper_lines(wrapper_cls, wrapper_cfg),
+        'model_wrapper_cfg': _wrapper_lines(wrapping),
         'sharding': [] if spec is None else [_clean(dataclasses.replace(spec, units=()))],
         'unit plan': [] if spec is None else list(spec.units),
     }
@@ -103,7 +100,7 @@ def _explain(field: str, details: List[List[str]], digests: List[int]) -> str:
             'look for config values or code that depend on the rank, the host or local data')
 
 
-def check_ranks_agree(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[str, Any],
+def check_ranks_agree(model: nn.Module, wrapping: Wrapping, layout: Optional[Layout],
                       group: Optional[dist.ProcessGroup] = None) -> None:
     """Raise :class:`RankDisagreement` on every rank if any two ranks' fingerprints differ.
 
@@ -113,7 +110,7 @@ def check_ranks_agree(model: nn.Module, wrapper_cls: type, wrapper_cfg: Mapping[
         return
     group = group if group is not None else control_group()
     world_size = dist.get_world_size()
-    mine = fingerprint(model, wrapper_cls, wrapper_cfg, world_size)
+    mine = fingerprint(model, wrapping, layout, world_size)
     local = torch.tensor([_digest(mine[f]) for f in FIELDS], dtype=torch.int64)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local, group=group)

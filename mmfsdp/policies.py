@@ -8,9 +8,9 @@ torch's FSDP1 ``auto_wrap_policy`` callables have::
 ``recurse=True`` asks "look inside ``module``?", ``recurse=False`` asks "make
 ``module`` a unit?", and ``nonwrapped_numel`` counts the parameters of
 ``module`` not already claimed by a unit below it. :func:`plan_units` walks a
-model with the semantics of FSDP1's recursive wrapping; it is the one walk:
-FSDP1 wraps exactly the units it names (:func:`planned_policy`), FSDP2 shards
-them, and the sharding plan reports them.
+model with the semantics of FSDP1's recursive wrapping; it is the one walk
+(:meth:`mmfsdp.wrappers.base.WrapperConfig.layout`): FSDP1 wraps exactly the
+units it names, FSDP2 shards them, and the sharding plan reports them.
 
 Policies are registered in :data:`mmfsdp.registry.FSDP_WRAP_POLICIES` and named
 in configs::
@@ -34,7 +34,7 @@ from torch import nn
 from .options import resolve_module_classes, suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units', 'planned_policy',
+__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units',
            'size_based', 'transformer']
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
@@ -145,8 +145,7 @@ def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
     Raises:
         KeyError: unknown policy name (the message lists registered names).
         TypeError: unknown or missing policy option.
-        ValueError: a class name the model does not contain, or a policy
-            that would wrap no submodule at all.
+        ValueError: a class name the model does not contain.
 
     """
     if cfg is None:
@@ -157,11 +156,6 @@ def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
         policy = _any_of([_build_one(c, model, f'{key}[{i}]') for i, c in enumerate(cfg)])
     else:
         policy = _build_one(cfg, model, key)
-    if not plan_units(model, policy):
-        raise ValueError(f'{key}: {cfg!r} makes no unit of any submodule of '
-                         f'{type(model).__name__}, so nothing would be sharded separately; '
-                         'check the class names / thresholds, or use auto_wrap_policy=None '
-                         'to shard the whole model as one unit on purpose')
     return policy
 
 
@@ -194,17 +188,3 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
 
     visit(model, '', True)
     return units
-
-
-def planned_policy(model: nn.Module, policy: WrapPolicy) -> WrapPolicy:
-    """FSDP1's ``auto_wrap_policy`` that wraps exactly the units :func:`plan_units` names.
-
-    FSDP1 then executes the plan instead of walking the model a second time
-    with its own arithmetic, so the units it builds are the ones reported.
-    """
-    units = frozenset(id(model.get_submodule(name)) for name in plan_units(model, policy))
-
-    def is_planned_unit(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return recurse or id(module) in units
-
-    return is_planned_unit

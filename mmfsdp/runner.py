@@ -4,7 +4,6 @@ from typing import Any, Dict, Optional, Union
 
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
-from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import DataLoader
@@ -26,26 +25,17 @@ from .meta_init import (
     build_on_meta,
     defer_check,
     unwritten,
-    wants_meta_init,
 )
 from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .optim_wrappers import is_built
-from .options import wrapper_options
-from .plan import log_sharding_plan
-from .protocol import is_parallel_wrapper
+from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .scope import without_collate_scope
 from .startup import check_launcher
 from .teardown import settle_at_exit, shutdown_at_exit
 from .together import fail_together
-from .wrappers.builder import (
-    build_args,
-    check_wrapper_config,
-    model_wrapper_config,
-    offloads_to_cpu,
-    resolve_wrapper_type,
-    stages_on_cpu,
-)
+from .wrappers.base import Layout
+from .wrappers.builder import model_wrapper_config, resolve_wrapper
 
 __all__ = ['FSDPRunner']
 
@@ -122,18 +112,19 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     """
 
     def setup_env(self, env_cfg: Dict) -> None:
-        """Check the launcher and the wrapper config, then start the process group."""
+        """Check the launcher, resolve the wrapper config (once), start the process group."""
         check_launcher(self.launcher)
-        cfg = model_wrapper_config(self.cfg)
-        self._wrapper_cls = resolve_wrapper_type(cfg, self.cfg.get('default_scope', 'mmengine'))
-        # Built from the class found here, so what was checked is what is built.
-        self._wrapper_cfg = dict(wrapper_options(cfg), type=self._wrapper_cls)
-        check_wrapper_config(self._wrapper_cls, self._wrapper_cfg)
-        self._meta_init = self.distributed and wants_meta_init(self._wrapper_cls,
-                                                               self._wrapper_cfg)
+        self._wrapping = resolve_wrapper(model_wrapper_config(self.cfg),
+                                         self.cfg.get('default_scope', 'mmengine'))
+        if self._wrapping.ours:
+            self._wrapping.config.check_device(current_device())
+        self._meta_init = self.distributed and self._wrapping.meta_init
+        self._layout: Optional[Layout] = None  # the model walked into units, once
+        self._checked = False
         self._meta_pending: list = []
         self._meta_check_after_load = False
         self._staged = False
+        self._preconditions = WrapPreconditions()
         if 'cpu_allocator' in env_cfg:
             raise ValueError(
                 f"env_cfg.cpu_allocator={env_cfg['cpu_allocator']!r}: mmfsdp no longer sets the "
@@ -143,7 +134,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         self._preconditions = WrapPreconditions()
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
-                             offload=offloads_to_cpu(self._wrapper_cls, self._wrapper_cfg))
+                             offload=self._wrapping.offloads_to_cpu)
             shutdown_at_exit()
         elif self.distributed:  # a group started by the caller, who destroys it
             set_current_device()  # still train on LOCAL_RANK's device
@@ -183,38 +174,58 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         return super().build_model(model)
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict], model: nn.Module) -> nn.Module:
-        """Move the model to its device and check the wrapper config against it.
+        """Wrap ``model`` as resolved in :meth:`setup_env`, once its weights are final.
 
-        The wrapping itself waits for :meth:`load_or_resume`, after the weights
-        are initialised, except under meta init, where it happens now.
+        mmengine calls this from ``__init__``, before ``train()`` builds the
+        optimizer and initialises the weights. That first call checks the config
+        against the model, walks it into units (:meth:`_check_before_wrapping`)
+        and moves it to its device; under meta init it wraps at once.
+        :meth:`load_or_resume` calls it again when the weights are final: that
+        call wraps (:meth:`_wrap`).
         """
         if is_model_wrapper(model) or not self.distributed:
             return super().wrap_model(model_wrapper_cfg, model)
+        if self._checked:
+            return self._wrap(model)
+        self._check_before_wrapping(model)
         if self._meta_init:
-            self._check_before_wrapping(model)
-            self.model = model
             loads = load_from(self) is not None or resume_requested(self)
             with defer_check(loads) as pending, \
                     allow_unsafe_pretrained(bool(self.cfg.get(UNSAFE_SWITCH, False))):
-                self._wrap()
+                wrapped = self._wrap(model)
             self._meta_pending, self._meta_check_after_load = pending, loads
-            return self.model
-        self._staged = stages_on_cpu(self._wrapper_cls, self._wrapper_cfg, model, current_device())
-        if not self._staged:
-            model = model.to(current_device())
-        self._check_before_wrapping(model)
-        return model
+            return wrapped
+        device = current_device()
+        self._staged = (self._wrapping.stages_on_cpu(device) and self._layout is not None
+                        and self._layout.roots is None)
+        return model if self._staged else model.to(device)
 
     def _check_before_wrapping(self, model: nn.Module) -> None:
-        """The wrapper config against the model, then every rank against the others.
+        """The config against the model (the one walk into units), then the ranks' agreement.
 
-        Runs before the first collective that depends on the model (the weight
-        broadcast, the wrapper's): a rank whose check fails, or that built a
-        different model or plan, makes every rank raise (:mod:`mmfsdp.agreement`).
+        Runs before the first collective that depends on the model: a rank
+        whose check fails, or that built a different model or plan, makes every
+        rank raise (:mod:`mmfsdp.agreement`).
         """
         with fail_together('checking model_wrapper_cfg against the model'):
-            check_wrapper_config(self._wrapper_cls, self._wrapper_cfg, model)
-        check_ranks_agree(model, self._wrapper_cls, self._wrapper_cfg)
+            self._layout = self._wrapping.layout(model)
+        self._checked = True
+        check_ranks_agree(model, self._wrapping, self._layout)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """Build the wrapper around ``model``; point the optimizer at it."""
+        self._preconditions.check(self.optim_wrapper)
+        with fail_together('logging the sharding plan (rank 0)'):
+            self._log_sharding_plan(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        if self.cfg.get('sync_bn') is not None:
+            model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
+        self.model = self._wrapping.build(model, self._layout, current_device(),
+                                          sync_module_states=self._staged)
+        if is_built(self.optim_wrapper):
+            retarget_parameters(self.optim_wrapper, names, self.model)
+        self._bind_optim_wrapper()
+        return self.model
 
     def train(self) -> nn.Module:
         """The stock ``train()``, its wrapping preconditions checked (:mod:`mmfsdp.lifecycle`)."""
@@ -223,7 +234,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
     def init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
-        if self._staged and not self._meta_init:
+        if self._staged:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
                 with draws_on(current_device(), model):  # as the stock Runner's, on the device
@@ -238,7 +249,11 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         Under meta init with ``load_from`` / ``resume``, the tensors that no
         initialiser wrote must come from the checkpoint: checked here, on every rank.
         """
-        self._wrap()
+        if self.distributed and not is_model_wrapper(self.model):
+            self.wrap_model(self.cfg.get('model_wrapper_cfg'), self.model)
+        elif self.distributed:  # wrapped before the optim wrapper existed (meta init)
+            self._preconditions.check(self.optim_wrapper)
+            self._bind_optim_wrapper()
         tracker = WriteTracker()
         with tracker if self._meta_check_after_load else contextlib.nullcontext():
             super().load_or_resume()
@@ -246,32 +261,13 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             self._meta_check_after_load = False
             agree_on_unwritten(unwritten(self.model.module, self._meta_pending, tracker))
 
-    def _wrap(self) -> None:
-        if not self.distributed:
-            return
-        self._preconditions.check(self.optim_wrapper)
-        if is_model_wrapper(self.model):
-            self._bind_optim_wrapper()  # wrapped before the optim wrapper existed (meta init)
-            return
-        model = self.model
-        with fail_together('logging the sharding plan (rank 0)'):
-            self._log_sharding_plan(model)
-        names = {id(p): n for n, p in model.named_parameters()}
-        if self.cfg.get('sync_bn') is not None:
-            model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
-        default_args = build_args(self._wrapper_cls, model, current_device(),
-                                  sync_module_states=self._staged and not self._meta_init)
-        self.model = MMENGINE_MODEL_WRAPPERS.build(self._wrapper_cfg, default_args=default_args)
-        if is_built(self.optim_wrapper):
-            retarget_parameters(self.optim_wrapper, names, self.model)
-        self._bind_optim_wrapper()
-
     def _log_sharding_plan(self, model: nn.Module) -> None:
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
-        if is_main_process() and is_parallel_wrapper(self._wrapper_cls):
-            log_sharding_plan(self.logger, self._wrapper_cls, self._wrapper_cfg, model,
-                              self.world_size, self.cfg.get('optim_wrapper') or {},
-                              ema=configures_ema(self.cfg.get('custom_hooks')))
+        if is_main_process() and self._wrapping.ours:
+            log_sharding_plan(self.logger, plan_of(
+                self._wrapping, self._layout, model, self.world_size,
+                self.cfg.get('optim_wrapper') or {},
+                ema=configures_ema(self.cfg.get('custom_hooks'))))
 
     def _bind_optim_wrapper(self) -> None:
         """Route clipping to the wrapper's global norm; bind AMP. Idempotent."""

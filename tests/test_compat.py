@@ -23,7 +23,7 @@ from mmengine.registry import MODEL_WRAPPERS
 from mmengine.runner import Runner
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
@@ -393,3 +393,11 @@ def test_gloo_worker_threads_are_found_by_the_name_torch_gives_them():
     from harness import run_distributed
     assert compat.GLOO_WORKER_THREAD == 'pt_gloo_runloop'
     assert all(n >= 1 for n in run_distributed(_gloo_workers_by_name, 2))
+
+
+def test_fsdp1_no_sync_toggles_the_flag_its_backward_reads():
+    from torch.distributed.fsdp import _runtime_utils
+    assert 'm._sync_gradients = False' in _source(FullyShardedDataParallel.no_sync), \
+        'FSDP1.no_sync no longer sets _sync_gradients (compat.set_fsdp1_gradient_sync)'
+    assert '_sync_gradients' in inspect.getsource(_runtime_utils), \
+        "FSDP1's backward no longer reads _sync_gradients (compat.set_fsdp1_gradient_sync)"

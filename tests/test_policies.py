@@ -8,6 +8,7 @@ from torch import nn
 from harness import COLLECTIVE_TIMEOUT_S, run_distributed
 from mmfsdp.policies import build_wrap_policy, plan_units
 from mmfsdp.registry import FSDP_WRAP_POLICIES
+from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from toy import ToyBlock, ToyClassifier
 
 
@@ -103,11 +104,12 @@ def test_size_based_needs_a_positive_parameter_count(model, value):
         build_wrap_policy(dict(type='size_based', min_num_params=value), model)
 
 
-def test_a_policy_that_wraps_nothing_is_an_error(model):
-    with pytest.raises(ValueError, match='makes no unit of any submodule'):
-        build_wrap_policy(dict(type='size_based', min_num_params=10**9), model)
-    with pytest.raises(ValueError, match='makes no unit of any submodule'):
-        build_wrap_policy(dict(type='module_types', module_cls=[nn.Conv2d]), model)
+@pytest.mark.parametrize('config', [FSDPConfig, FullyShardConfig])
+def test_a_policy_that_wraps_nothing_is_an_error(model, config):
+    for policy in (dict(type='size_based', min_num_params=10**9),
+                   dict(type='module_types', module_cls=[nn.Conv2d])):
+        with pytest.raises(ValueError, match='makes no unit of any submodule'):
+            config.from_dict(dict(auto_wrap_policy=policy)).layout(model)
 
 
 def test_none_means_one_unit_for_the_whole_model(model):

@@ -1,17 +1,16 @@
-"""The seams between mmfsdp's parts, made explicit (issue 12).
+"""The seams between mmfsdp's parts, made explicit (issues 12 and 25).
 
-- one wrapper protocol (:mod:`mmfsdp.protocol`), implemented by FSDP1, FSDP2
-  and DDP, and called instead of probed;
+- one wrapper protocol (:mod:`mmfsdp.wrappers.base`), implemented by FSDP1,
+  FSDP2 and DDP; a config is resolved once and the model walked once per process;
 - wrapping in ``train()`` checks that the optimizer is built and the weights
   are initialised: mmengine's order works, a changed order raises
   (:mod:`mmfsdp.lifecycle`); ``FlexibleRunner`` is refused like the stock Runner;
 - ``MMFullyShard`` names everything as the unwrapped model does;
-- one optim-wrapper iterator, one config base.
+- one optim-wrapper iterator; FSDP1 and FSDP2 cut a model into the same units.
 
 The multi-process checks share one 2-process group.
 """
-import re
-from pathlib import Path
+import collections
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.runner import Runner
 from torch import nn
 
-import mmfsdp
 from harness import raised, run_distributed
 from mmfsdp import (
     AmpOptimWrapper,
@@ -30,20 +28,17 @@ from mmfsdp import (
     MMFullyShardedDataParallel,
 )
 from mmfsdp.lifecycle import LifecycleError, WrapPreconditions
-from mmfsdp.meta_init import wants_meta_init
-from mmfsdp.optim_wrappers import AnyOptimWrapper, named_optim_wrappers
+from mmfsdp.optim_wrappers import named_optim_wrappers
 from mmfsdp.plan import plan_for
-from mmfsdp.protocol import ModelBinding, ParallelWrapper, is_parallel_wrapper
-from mmfsdp.wrappers.builder import offloads_to_cpu
-from mmfsdp.wrappers.config import FSDPConfig, FullyShardConfig, WrapperConfig
-from toy import ToyClassifier, runner_config
+from mmfsdp.registry import FSDP_WRAP_POLICIES
+from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
+from mmfsdp.wrappers.base import ModelBinding, ParallelWrapper, is_parallel_wrapper
+from mmfsdp.wrappers.builder import resolve_wrapper
+from toy import ToyBlock, ToyClassifier, runner_config
 
 OURS = (MMFullyShardedDataParallel, MMFullyShard, MMDistributedDataParallel)
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
-#: The members consumers used to reach with getattr / hasattr.
-MEMBERS = ('check_config', 'sharding_spec', 'supports_meta_init', 'offloads_to_cpu',
-           'stages_on_cpu', 'bind_model', 'no_sync', 'clip_grad_norm_')
 
 
 @pytest.mark.parametrize('cls', OURS, ids=lambda c: c.__name__)
@@ -62,25 +57,18 @@ def test_a_wrapper_missing_a_member_cannot_be_built():
 
     with pytest.raises(TypeError, match='abstract') as info:
         Incomplete()
-    for member in ('sharding_spec', 'no_sync', 'clip_grad_norm_', 'train_step'):
+    for member in ('no_sync', 'clip_grad_norm_', 'train_step'):
         assert member in str(info.value)
 
 
 def test_other_wrappers_are_driven_as_mmengine_drives_them():
     assert not is_parallel_wrapper(MMEngineDDP)
-    assert not offloads_to_cpu(MMEngineDDP, dict(type=MMEngineDDP))
-    assert not wants_meta_init(MMEngineDDP, dict(type=MMEngineDDP, init_device='meta'))
-    assert wants_meta_init(MMFullyShard, dict(type=MMFullyShard, init_device='meta'))
-    with pytest.raises(TypeError, match='sharding_spec'):
+    theirs = resolve_wrapper(dict(type=MMEngineDDP, init_device='meta'))
+    assert not theirs.ours and not theirs.offloads_to_cpu and not theirs.meta_init
+    assert theirs.layout(ToyClassifier()) is None
+    assert resolve_wrapper(dict(type=MMFullyShard, init_device='meta')).meta_init
+    with pytest.raises(TypeError, match='has no sharding plan'):
         plan_for(MMEngineDDP, dict(type=MMEngineDDP), ToyClassifier(), 2)
-
-
-def test_consumers_call_the_protocol_instead_of_probing():
-    probe = re.compile(r'\b(?:getattr|hasattr)\([^)]*[\'"](' + '|'.join(MEMBERS) + r')[\'"]')
-    root = Path(mmfsdp.__file__).parent
-    found = [f'{p.relative_to(root)}: {m.group(0)}' for p in root.rglob('*.py')
-             for m in probe.finditer(p.read_text())]
-    assert not found, found
 
 
 def test_optim_wrappers_that_need_the_model_declare_it():
@@ -91,8 +79,6 @@ def test_optim_wrappers_that_need_the_model_declare_it():
 
 
 def test_one_optim_wrapper_iterator():
-    from mmfsdp.checkpoint import sharded, state
-    assert state.AnyOptimWrapper is AnyOptimWrapper and sharded.AnyOptimWrapper is AnyOptimWrapper
     one, gen, disc = (OptimWrapper(optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1))
                       for _ in range(3))
     assert list(named_optim_wrappers(one)) == [(None, one)]
@@ -100,12 +86,15 @@ def test_one_optim_wrapper_iterator():
     assert pairs == [('generator', gen), ('discriminator', disc)]
 
 
-def test_fsdp1_and_fsdp2_configs_share_one_base():
+def test_fsdp1_and_fsdp2_cut_a_model_into_the_same_units():
+    options = dict(auto_wrap_policy=BLOCKS, activation_checkpointing=dict(layer_cls=['ToyBlock']))
+    one, two = (cls.from_dict(options).layout(ToyClassifier())
+                for cls in (FSDPConfig, FullyShardConfig))
+    assert one.units == two.units and one.units and one.checkpoint_layers == (ToyBlock, )
     for cls in (FSDPConfig, FullyShardConfig):
-        assert issubclass(cls, WrapperConfig)
-        assert cls.for_model is WrapperConfig.for_model
-        assert cls.check.__func__ is WrapperConfig.check.__func__
-        assert set(cls.RESOLVERS) <= {f for f in cls.__dataclass_fields__}
+        with pytest.raises(ValueError, match="'ToyBlok'"):
+            cls.from_dict(dict(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlok']))
+                          ).layout(ToyClassifier())
 
 
 def test_wrap_preconditions_apply_in_train_only():
@@ -208,9 +197,37 @@ def _fsdp2_names(out: dict) -> None:
     out['eval reaches the model'] = not wrapper.module.training
 
 
+def _counted_run(work_root: str, out: dict) -> None:
+    """An FSDP2 run (plan log and rank agreement on) counting resolutions and model walks."""
+    from mmfsdp import FSDPRunner
+    counts: collections.Counter = collections.Counter()
+    real = FullyShardConfig.from_dict.__func__
+
+    def counting(cls, cfg):
+        counts['resolutions'] += 1
+        return real(cls, cfg)
+
+    @FSDP_WRAP_POLICIES.register_module(name='counting_blocks', force=True)
+    def counting_blocks(module, recurse, nonwrapped_numel):
+        counts['walks'] += isinstance(module, ToyClassifier) and recurse
+        return recurse or isinstance(module, ToyBlock)
+
+    FullyShardConfig.from_dict = classmethod(counting)
+    try:
+        cfg = runner_config('counted', f'{work_root}/counted', batch_size=4, max_iters=1,
+                            wrapper=dict(type='mmfsdp.MMFullyShard',
+                                         auto_wrap_policy=dict(type='counting_blocks')))
+        cfg['log_level'] = 'INFO'  # the plan is logged
+        FSDPRunner.from_cfg(Config(cfg)).train()
+    finally:
+        FullyShardConfig.from_dict = classmethod(real)
+    out['counted'] = dict(counts)
+
+
 def _seams(work_root: str) -> dict:
     out: dict = {}
     _runner_checks(work_root, out)  # FSDPRunner starts the group the other checks use
+    _counted_run(work_root, out)
     _ddp_clip(out)
     _fsdp2_names(out)
     return out
@@ -219,6 +236,10 @@ def _seams(work_root: str) -> dict:
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory) -> list:
     return run_distributed(_seams, 2, str(tmp_path_factory.mktemp('seams')))
+
+
+def test_one_resolution_of_the_config_and_one_walk_of_the_model_per_process(ranks):
+    assert [r['counted'] for r in ranks] == [dict(resolutions=1, walks=1)] * 2
 
 
 def test_documented_train_order_wraps_and_trains(ranks):

@@ -12,11 +12,10 @@ sharding (each rank allocates its shards), FSDP1 on the CPU before wrapping
 - :mod:`.pretrained`: ``init_cfg=Pretrained`` reading only each rank's slices;
 - :mod:`.written`: the sentinel check and its error, the same on every rank.
 """
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 from torch import nn
 
-from ..protocol import is_parallel_wrapper
 from .build import RECORD_LIMIT_BYTES, build_on_meta, empty_weights, recorded
 from .materialize import materialize, set_preprocessor_device
 from .pretrained import (
@@ -38,13 +37,7 @@ __all__ = ['RECORD_LIMIT_BYTES', 'SHARD_SAFE_INIT_TYPES', 'Unwritten', 'Unwritte
            'WriteTracker', 'agree_on_unwritten', 'allow_unsafe_pretrained', 'build_on_meta',
            'check_init_cfgs', 'check_meta_model', 'defer_check', 'empty_weights',
            'load_pretrained', 'materialize',
-           'recorded', 'set_preprocessor_device', 'unwritten', 'wants_meta_init']
-
-
-def wants_meta_init(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> bool:
-    """Whether the wrapper config asks for the model to be built on the meta device."""
-    return (is_parallel_wrapper(wrapper_cls) and wrapper_cls.supports_meta_init
-            and wrapper_cfg.get('init_device') == 'meta')
+           'recorded', 'set_preprocessor_device', 'unwritten']
 
 
 def check_meta_model(module: nn.Module, init_device: Optional[str], when: str) -> bool:

@@ -1,51 +1,60 @@
 """Know before you launch: the sharding plan of a model and its memory per rank.
 
-- :mod:`.spec`: what a wrapper will do (its ``sharding_spec`` classmethod);
-- :mod:`.memory`: bytes per rank of parameters, gradients, optimizer state;
+- :mod:`.memory`: bytes per rank of parameters, gradients, optimizer state,
+  from a wrapper's :class:`~mmfsdp.wrappers.base.ShardingSpec`;
 - :mod:`.report`: the table, the JSON object and the warnings;
 - :mod:`.trace`, :mod:`.batch`, :mod:`.step`: activations of one training step
-  traced with fake tensors, and the step's peak per rank;
+  traced with fake tensors, and the step's peak per rank (imported on first
+  use: ``import mmfsdp`` does not load the tracer);
 - :mod:`.host`: what a CPU host keeps resident beyond the live tensors;
 - :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
+import importlib
 import logging
 from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from ..options import wrapper_options
-from ..protocol import is_parallel_wrapper
-from .host import heap_threshold
+from ..wrappers.base import Construction, Layout, Padding, ShardingSpec
+from ..wrappers.builder import Wrapping, resolve_wrapper
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
-from .spec import Construction, Padding, ShardingSpec
-from .step import StepPeak, step_peak
-from .trace import BatchFn, StepTrace, trace_step
 
 __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
            'Unit', 'format_plan', 'heap_threshold', 'log_sharding_plan', 'make_plan',
-           'optimizer_states_per_param',
-           'plan_for', 'plan_to_dict', 'plan_warnings', 'step_peak', 'trace_for', 'trace_step']
+           'optimizer_states_per_param', 'plan_for', 'plan_of', 'plan_to_dict', 'plan_warnings',
+           'step_peak', 'trace_for', 'trace_step']
+
+#: Names served from the tracer's modules on first use (PEP 562).
+_LAZY = dict(BatchFn='.trace', StepTrace='.trace', trace_step='.trace', StepPeak='.step',
+             step_peak='.step', heap_threshold='.host')
 
 
-def _describe(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-              world_size: int) -> ShardingSpec:
-    if not is_parallel_wrapper(wrapper_cls):
-        raise TypeError(f'{wrapper_cls.__name__} has no sharding_spec(); plans are available for '
-                        "mmfsdp's wrappers")
-    return wrapper_cls.sharding_spec(wrapper_options(wrapper_cfg), model, world_size)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def _spec(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
+          world_size: int) -> ShardingSpec:
+    wrapping = resolve_wrapper(dict(wrapper_cfg, type=wrapper_cls))
+    if not wrapping.ours:
+        raise TypeError(f'{wrapper_cls.__name__} has no sharding plan; plans are available '
+                        "for mmfsdp's wrappers")
+    return wrapping.sharding_spec(wrapping.layout(model), world_size)
 
 
 def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-              batch: BatchFn, world_size: int = 1) -> StepTrace:
+              batch: Any, world_size: int = 1) -> Any:
     """Trace one training step of ``model`` as the wrapper config computes it.
 
-    Honours the config's ``activation_checkpointing`` and mixed-precision
-    ``param_dtype``, and attributes activations to the wrap policy's units.
-    ``world_size`` only has to be one the config accepts (a fixed ``mesh``).
+    Honours ``activation_checkpointing`` and the mixed-precision ``param_dtype``,
+    and attributes activations to the wrap policy's units.
     """
-    spec = _describe(wrapper_cls, wrapper_cfg, model, world_size)
+    from .trace import trace_step
+    spec = _spec(wrapper_cls, wrapper_cfg, model, world_size)
     return trace_step(model, batch, units=spec.units, checkpoint_layers=spec.checkpoint_layers,
                       compute_dtype=spec.compute_dtype)
 
@@ -56,31 +65,26 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     """The plan of ``model`` under a ``model_wrapper_cfg`` (``ema``: an EMAHook is configured).
 
     ``accumulative_counts`` is the optim wrapper's: with ``accumulation='unsharded'``
-    and more than one micro-step, gradients are planned unsharded.
-
-    Raises ``TypeError`` if the wrapper cannot describe its sharding (only
-    mmfsdp's wrappers can).
+    and more than one micro-step, gradients are planned unsharded. Raises
+    ``TypeError`` for a wrapper that is not mmfsdp's.
     """
-    spec = _describe(wrapper_cls, wrapper_cfg, model, world_size)
-    return make_plan(model, spec, world_size,
+    return make_plan(model, _spec(wrapper_cls, wrapper_cfg, model, world_size), world_size,
                      optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
                      accumulative_counts=accumulative_counts)
 
 
-def log_sharding_plan(logger: logging.Logger, wrapper_cls: type, wrapper_cfg: Mapping[str, Any],
-                      model: nn.Module, world_size: int, optim_wrapper_cfg: Mapping[str, Any],
-                      ema: bool) -> None:
-    """Log the plan of ``model`` (its units and bytes per rank), then each of its warnings.
-
-    ``optim_wrapper_cfg`` is the config's ``optim_wrapper``: its ``optimizer``
-    (when a dict) sizes the optimizer state, its ``accumulative_counts`` the
-    gradients; ``ema``: an EMAHook is configured. :class:`mmfsdp.FSDPRunner`
-    calls this on rank 0 before wrapping.
-    """
+def plan_of(wrapping: Wrapping, layout: Layout, model: nn.Module, world_size: int,
+            optim_wrapper_cfg: Mapping[str, Any], ema: bool) -> Plan:
+    """The plan from an already resolved config and layout (what the runner holds)."""
     optimizer = optim_wrapper_cfg.get('optimizer')
-    plan = plan_for(wrapper_cls, wrapper_cfg, model, world_size,
-                    optimizer if isinstance(optimizer, Mapping) else None, ema=ema,
-                    accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1))
+    return make_plan(model, wrapping.sharding_spec(layout, world_size), world_size,
+                     optimizer_states_per_param(
+                         dict(optimizer) if isinstance(optimizer, Mapping) else {}),
+                     ema=ema, accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1))
+
+
+def log_sharding_plan(logger: logging.Logger, plan: Plan) -> None:
+    """Log ``plan`` (its units and bytes per rank), then each of its warnings."""
     logger.info('Sharding plan:\n' + format_plan(plan, with_warnings=False))
     for warning in plan_warnings(plan):
         logger.warning(f'Sharding plan: {warning}')

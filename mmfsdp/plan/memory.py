@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from .spec import Construction, Padding, ShardingSpec
+from ..wrappers.base import Construction, Padding, ShardingSpec
 
 __all__ = ['Plan', 'Unit', 'make_plan', 'optimizer_states_per_param']
 

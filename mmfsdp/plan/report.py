@@ -1,8 +1,10 @@
 """A plan as a table for people, a JSON object for scripts, and warnings for mistakes."""
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from .memory import Plan
-from .step import StepPeak
+
+if TYPE_CHECKING:  # the tracer is imported where a step is traced, not with the plan
+    from .step import StepPeak
 
 __all__ = ['ROOT_SHARE_LIMIT', 'UNIT_COUNT_LIMIT', 'format_plan', 'format_step', 'plan_to_dict',
            'plan_warnings']
@@ -118,7 +120,7 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
     return '\n'.join(lines)
 
 
-def format_step(step: StepPeak, max_units: int = 8) -> str:
+def format_step(step: 'StepPeak', max_units: int = 8) -> str:
     """The training step's peak and its parts (the lines under a plan's table)."""
     trace = step.trace
     checkpointed = ', '.join(trace.checkpointed) or 'off'

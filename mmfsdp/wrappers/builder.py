@@ -1,20 +1,16 @@
-"""Find and check a ``model_wrapper_cfg`` before anything is built, and how it is built.
+"""From ``model_wrapper_cfg`` to a built wrapper: resolve once, walk once, build.
 
-The wrapper class is looked up as mmengine's ``MODEL_WRAPPERS.build`` would:
-in the registry of the dict's ``_scope_`` (which mmengine adds when a config
-inherits ours through ``mmfsdp::``) or else of the config's ``default_scope``.
-So ``type='MMFullyShardedDataParallel'`` means mmfsdp's wrapper in the
-``mmfsdp`` scope and mmengine's anywhere else. mmengine's FSDP wrapper is
-refused, with the name to write instead: ``FSDPRunner`` shards with mmfsdp's
-wrappers only, and mmengine's takes other options and needs an accelerator.
-mmengine's DDP wrapper is accepted: under ``FSDPRunner`` it trains like
-``mmfsdp.MMDistributedDataParallel``.
+:func:`resolve_wrapper` finds the class the config names (as mmengine's
+``MODEL_WRAPPERS.build`` would: in the dict's ``_scope_`` or the config's
+``default_scope``) and resolves its options into the wrapper's typed config,
+once per process. :meth:`Wrapping.layout` walks the model once; the rank
+agreement, the plan and :meth:`Wrapping.build` all take that layout.
 
-:class:`mmfsdp.FSDPRunner` takes from here the config with mmengine's defaults
-(:func:`model_wrapper_config`), whether the model waits on the CPU for the
-wrapper (:func:`stages_on_cpu`), and the arguments it adds when it builds the
-wrapper (:func:`build_args`).
+mmengine's FSDP wrapper is refused with the name to write instead. Other
+wrappers (mmengine's DDP, third-party ones) have their keywords checked and are
+built as mmengine builds them.
 """
+import dataclasses
 import inspect
 from typing import Any, Dict, Mapping, Optional
 
@@ -25,18 +21,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from ..options import check_keys, suggest, wrapper_options
-from ..protocol import is_parallel_wrapper
 from ..registry import MODEL_WRAPPERS
-from .ddp import MMDistributedDataParallel
-from .steps import own_steps
+from .base import Layout, ShardingSpec, WrapperConfig, is_parallel_wrapper
+from .fsdp import MMFullyShardedDataParallel, MMSeparateFullyShardedDataParallel
 
-__all__ = ['DEFAULT_WRAPPER', 'build_args', 'check_wrapper_config', 'model_wrapper_config',
-           'offloads_to_cpu', 'registered_wrapper_names', 'resolve_wrapper_type', 'stages_on_cpu']
+__all__ = ['DEFAULT_WRAPPER', 'Wrapping', 'model_wrapper_config', 'registered_wrapper_names',
+           'resolve_wrapper', 'resolve_wrapper_type']
 
 #: Used when ``model_wrapper_cfg`` is not set, as mmengine uses its DDP.
 DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
 
-#: What to write instead of a wrapper of mmengine that FSDPRunner cannot drive.
 _INSTEAD = ("type='mmfsdp.MMFullyShardedDataParallel' (FSDP1) or type='mmfsdp.MMFullyShard' "
             '(FSDP2), with the options in the README')
 
@@ -66,14 +60,8 @@ def registered_wrapper_names() -> list:
 def resolve_wrapper_type(cfg: Mapping[str, Any], default_scope: Optional[str] = None) -> type:
     """The class ``cfg['type']`` names, looked up as mmengine's ``MODEL_WRAPPERS.build`` does.
 
-    Args:
-        cfg: The ``model_wrapper_cfg``; its ``_scope_``, if any, picks the registry.
-        default_scope: The config's ``default_scope``, used without ``_scope_``
-            (``None``: the scope mmengine holds current).
-
-    Raises ``KeyError`` for an unknown name and ``ValueError`` for mmengine's
-    FSDP wrapper.
-
+    Raises ``KeyError`` for an unknown name (listing the registered ones) and
+    ``ValueError`` for mmengine's FSDP wrapper.
     """
     name = cfg.get('type')
     if isinstance(name, type):
@@ -93,56 +81,86 @@ def resolve_wrapper_type(cfg: Mapping[str, Any], default_scope: Optional[str] = 
     return cls
 
 
-def check_wrapper_config(cls: type, cfg: Mapping[str, Any],
-                         module: Optional[nn.Module] = None) -> None:
-    """Raise on keywords ``cls`` does not take and, for mmfsdp wrappers, on bad values.
+@dataclasses.dataclass(frozen=True)
+class Wrapping:
+    """A ``model_wrapper_cfg``, resolved: the class, its options as written, its typed config.
 
-    ``type`` and ``_scope_`` are not keywords of the wrapper. With ``module``,
-    options checked against the model (wrap policies, layer classes) are
-    checked too.
+    ``config`` is ``None`` for wrappers that are not mmfsdp's.
     """
-    options = wrapper_options(cfg)
+
+    cls: type
+    options: Mapping[str, Any]
+    config: Optional[WrapperConfig] = None
+
+    @property
+    def ours(self) -> bool:
+        """Whether the wrapper is one of mmfsdp's (it then has a typed config and a plan)."""
+        return self.config is not None
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """Whether the parameters stay on the CPU while training."""
+        return self.ours and self.config.offloads_to_cpu
+
+    @property
+    def meta_init(self) -> bool:
+        """Whether the model is to be built on the meta device and wrapped at once."""
+        return self.ours and self.cls.supports_meta_init and self.config.init_device == 'meta'
+
+    def stages_on_cpu(self, device: torch.device) -> bool:
+        """Whether the model waits on the CPU until the wrapper moves it unit by unit."""
+        return self.ours and self.config.stages_on_cpu(device)
+
+    def layout(self, module: nn.Module) -> Optional[Layout]:
+        """Check the config against ``module`` and walk it into units (``None``: not ours)."""
+        if not self.ours:
+            return None
+        return self.config.layout(module)
+
+    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+        """How the config shards the model of ``layout`` over ``world_size`` ranks."""
+        if not self.ours:
+            raise TypeError(f'{self.cls.__name__} has no sharding plan; plans are available '
+                            "for mmfsdp's wrappers")
+        return self.config.sharding_spec(layout, world_size)
+
+    def build(self, module: nn.Module, layout: Optional[Layout], device: torch.device,
+              sync_module_states: bool = False) -> nn.Module:
+        """The wrapper around ``module``.
+
+        A model with its own steps under FSDP1 gets
+        :class:`~mmfsdp.wrappers.fsdp.MMSeparateFullyShardedDataParallel`.
+        ``sync_module_states``: the model stayed on the CPU until now, and the
+        wrapper broadcasts rank 0's weights unit by unit on the device.
+        """
+        if not self.ours:
+            args: Dict[str, Any] = dict(module=module)
+            if issubclass(self.cls, DistributedDataParallel):  # the stock Runner's device_ids
+                args['device_ids'] = None if device.type == 'cpu' else [device.index]
+            return MMENGINE_MODEL_WRAPPERS.build(dict(self.options, type=self.cls),
+                                                 default_args=args)
+        config = self.config
+        if sync_module_states:
+            config = dataclasses.replace(config, sync_module_states=True)
+        cls = self.cls
+        if issubclass(cls, MMFullyShardedDataParallel) and layout.roots is not None:
+            cls = MMSeparateFullyShardedDataParallel
+        return cls(module, config=config, layout=layout)
+
+
+def resolve_wrapper(wrapper_cfg: Mapping[str, Any],
+                    default_scope: Optional[str] = None) -> Wrapping:
+    """Resolve a ``model_wrapper_cfg`` (with ``type``) once: class, options, typed config.
+
+    Raises on an unknown wrapper, an unknown keyword or a bad value, naming the
+    key, the value and the choices; the same on every rank, before any collective.
+    """
+    cls = resolve_wrapper_type(wrapper_cfg, default_scope)
+    options = wrapper_options(wrapper_cfg)
     if is_parallel_wrapper(cls):
-        cls.check_config(options, module)
-        return
+        return Wrapping(cls, options, cls.CONFIG.from_dict(options))
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         check_keys(options, [n for n in params if n not in ('self', 'module')],
                    'model_wrapper_cfg')
-
-
-def offloads_to_cpu(cls: type, cfg: Mapping[str, Any]) -> bool:
-    """Whether the wrapper ``cls`` with ``cfg`` keeps parameters on the CPU while training.
-
-    mmfsdp's wrappers tell (:meth:`~mmfsdp.protocol.ParallelWrapper.offloads_to_cpu`);
-    others never offload.
-    """
-    return is_parallel_wrapper(cls) and bool(cls.offloads_to_cpu(wrapper_options(cfg)))
-
-
-def build_args(cls: type, module: nn.Module, device: torch.device,
-               sync_module_states: bool) -> Dict[str, Any]:
-    """The ``default_args`` with which ``FSDPRunner`` builds wrapper ``cls`` around ``module``.
-
-    mmengine's DDP gets the stock Runner's ``device_ids``, ``None`` on the CPU
-    (DDP rejects device ids for CPU modules). ``sync_module_states``: the
-    model stayed on the CPU until wrapping (staged FSDP1), so the wrapper
-    broadcasts rank 0's weights unit by unit on the device.
-    """
-    args: Dict[str, Any] = dict(module=module)
-    if issubclass(cls, DistributedDataParallel) and not issubclass(cls, MMDistributedDataParallel):
-        args['device_ids'] = None if device.type == 'cpu' else [device.index]
-    if sync_module_states:
-        args['sync_module_states'] = True
-    return args
-
-
-def stages_on_cpu(cls: type, cfg: Mapping[str, Any], module: nn.Module,
-                  device: torch.device) -> bool:
-    """Whether ``module`` stays on the CPU until wrapper ``cls`` moves it unit by unit.
-
-    As the wrapper says (:meth:`mmfsdp.protocol.ParallelWrapper.stages_on_cpu`);
-    not for a model with its own steps (FSDP1 wraps its children separately).
-    """
-    return (is_parallel_wrapper(cls) and cls.stages_on_cpu(cfg, device)
-            and not own_steps(module))
+    return Wrapping(cls, options)

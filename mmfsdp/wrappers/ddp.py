@@ -1,7 +1,8 @@
 """``MMDistributedDataParallel``: torch's DDP for mmengine models, on any device."""
 import contextlib
 import inspect
-from typing import Any, Iterator, List, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -9,12 +10,76 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..clip import clip_grads_by_global_norm
 from ..options import check_keys
-from ..plan.spec import Padding, ShardingSpec
-from ..protocol import ParallelWrapper
 from ..registry import MODEL_WRAPPERS
-from .steps import DataParallelSteps, own_steps
+from .base import (
+    DataParallelSteps,
+    Layout,
+    Padding,
+    ParallelWrapper,
+    ShardingSpec,
+    WrapperConfig,
+    own_steps,
+)
 
-__all__ = ['MMDistributedDataParallel']
+__all__ = ['DDPConfig', 'MMDistributedDataParallel']
+
+NAME = 'mmfsdp.MMDistributedDataParallel'
+#: Chosen by the wrapper, not configured.
+_DERIVED = ('self', 'module', 'device_ids', 'output_device')
+
+
+@dataclass(frozen=True)
+class DDPConfig(WrapperConfig):
+    """The options of :class:`MMDistributedDataParallel`: DDP's keyword arguments, checked.
+
+    mmengine's defaults (``broadcast_buffers=False``, ``gradient_as_bucket_view``
+    as torch's) and its ``detect_anomalous_params``; any other keyword of
+    torch's ``DistributedDataParallel`` is passed on.
+    """
+
+    #: Log parameters that took no part in the loss (mmengine's DDP option).
+    detect_anomalous_params: bool = False
+    #: Keyword arguments of torch's ``DistributedDataParallel``.
+    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    NAME: ClassVar[str] = NAME
+    auto_wrap_policy = None
+    activation_checkpointing = None
+    init_device = None
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> 'DDPConfig':
+        """Check the keys against torch's DDP; ``broadcast_buffers`` becomes its new name.
+
+        torch 2.13 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``
+        (warning on every job). ``forward_sync_buffers=False`` still broadcasts
+        rank 0's buffers at construction, where ``broadcast_buffers=False`` did
+        not; mmfsdp's runners broadcast rank 0's weights and buffers right
+        before wrapping anyway, so the buffers that training starts from are
+        the same.
+        """
+        valid = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
+                 if n not in _DERIVED]
+        check_keys(cfg, valid + ['detect_anomalous_params'], 'model_wrapper_cfg')
+        kwargs = {k: v for k, v in cfg.items() if k != 'detect_anomalous_params'}
+        if 'forward_sync_buffers' not in kwargs:
+            kwargs['forward_sync_buffers'] = kwargs.get('broadcast_buffers') or False
+        kwargs.pop('broadcast_buffers', None)
+        kwargs.setdefault('gradient_as_bucket_view', True)  # no second copy of the gradients
+        return cls(detect_anomalous_params=bool(cfg.get('detect_anomalous_params', False)),
+                   ddp_kwargs=kwargs)
+
+    def layout(self, module: nn.Module) -> Layout:
+        """No units; a model with its own ``train_step`` is refused."""
+        _refuse_own_train_step(module)
+        return Layout()
+
+    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+        """Every rank holds everything."""
+        return ShardingSpec(
+            wrapper=NAME, strategy='REPLICATE', shard_size=1, replicate_size=world_size,
+            units=(), padding=Padding.NONE, shard_params=False, shard_grads=False,
+            shard_optimizer=False)
 
 
 @MODEL_WRAPPERS.register_module()
@@ -23,50 +88,32 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
 
     Works under :class:`mmfsdp.FSDPRunner` and under mmengine's stock Runner,
     which passes ``device_ids=[LOCAL_RANK]``: the device is taken from the
-    module instead (``None`` for a CPU module, which DDP requires).
+    module instead (``None`` for a CPU module, which DDP requires). Every
+    keyword of torch's DDP is accepted, and mmengine's ``detect_anomalous_params``.
 
     Config::
 
         model_wrapper_cfg = dict(
             type='mmfsdp.MMDistributedDataParallel',
             find_unused_parameters=False, static_graph=False,
-            gradient_as_bucket_view=True, broadcast_buffers=False)
-
-    Args:
-        module: The model, already on its device.
-        device_ids: Accepted for the stock Runner's sake; derived from the module.
-        find_unused_parameters: Tolerate parameters without gradient.
-        static_graph: Promise the same graph every iteration (enables
-            optimisations). Gradient accumulation then synchronises the first
-            micro-step, which DDP's static graph requires.
-        gradient_as_bucket_view: Let gradients alias the reduction buckets.
-        broadcast_buffers: Broadcast rank 0's buffers before each forward.
-        bucket_cap_mb: Size of the gradient buckets.
-
+            broadcast_buffers=False)               # as mmengine; forward_sync_buffers in torch
     """
 
-    def __init__(self,
-                 module: nn.Module,
-                 device_ids: Optional[List[int]] = None,
-                 find_unused_parameters: bool = False,
-                 static_graph: bool = False,
-                 gradient_as_bucket_view: bool = True,
-                 broadcast_buffers: bool = False,
-                 bucket_cap_mb: Optional[float] = None) -> None:
-        del device_ids
+    CONFIG = DDPConfig
+
+    def __init__(self, module: nn.Module, device_ids: Optional[List[int]] = None, *,
+                 config: Optional[DDPConfig] = None, layout: Optional[Layout] = None,
+                 **options: Any) -> None:
+        del device_ids, layout
+        cfg = config if config is not None else DDPConfig.from_dict(options)
         _refuse_own_train_step(module)
         device = next(module.parameters()).device
-        super().__init__(
-            module,
-            device_ids=None if device.type == 'cpu' else [device.index],
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-            bucket_cap_mb=bucket_cap_mb)
+        super().__init__(module, device_ids=None if device.type == 'cpu' else [device.index],
+                         **cfg.ddp_kwargs)
+        self.detect_anomalous_params = cfg.detect_anomalous_params
         self._has_synced = False
 
-    def train_step(self, data: Any, optim_wrapper: Any) -> dict:
+    def train_step(self, data: Any, optim_wrapper: Any) -> Dict[str, torch.Tensor]:
         """One step of :class:`DataParallelSteps`, noting whether it synchronised."""
         log_vars = super().train_step(data, optim_wrapper)
         self._has_synced = self._has_synced or self.require_backward_grad_sync
@@ -75,9 +122,8 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
     def val_step(self, data: Any) -> list:
         """The module's own ``val_step``, as mmengine's DDP wrapper does.
 
-        Every rank holds all parameters, so nothing needs the wrapper, and
-        ``DDP.forward`` would make an evaluation batch a collective (buffer
-        broadcast) where ranks may see different numbers of batches.
+        Every rank holds all parameters, and ``DDP.forward`` would make an
+        evaluation batch a collective where ranks may see different numbers of batches.
         """
         return self.module.val_step(data)
 
@@ -103,33 +149,12 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
         """Clip all gradients by their norm (replicated: the local norm is the global one)."""
         return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
 
-    @classmethod
-    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
-        """Raise on unknown keywords and, with ``module``, on a model this wrapper cannot train."""
-        check_keys(config, [n for n in inspect.signature(cls.__init__).parameters
-                            if n not in ('self', 'module')], 'model_wrapper_cfg')
-        if module is not None:
-            _refuse_own_train_step(module)
-
-    @classmethod
-    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
-                      world_size: int) -> ShardingSpec:
-        """Every rank holds everything (see :mod:`mmfsdp.plan`)."""
-        return ShardingSpec(
-            wrapper='mmfsdp.MMDistributedDataParallel', strategy='REPLICATE', shard_size=1,
-            replicate_size=world_size, units=(), padding=Padding.NONE, shard_params=False,
-            shard_grads=False, shard_optimizer=False)
-
 
 def _refuse_own_train_step(module: nn.Module) -> None:
-    """One DDP over the model reduces only what flows through its forward.
-
-    A model's own ``train_step`` calls its sub-modules directly, so DDP's
-    reducer would never be prepared and gradients would stay per rank.
-    """
+    """One DDP reduces only what flows through its forward, which a model's own step skips."""
     if 'train_step' in own_steps(module):
         raise ValueError(
-            "model_wrapper_cfg.type='mmfsdp.MMDistributedDataParallel': "
+            f'model_wrapper_cfg.type={NAME!r}: '
             f'{type(module).__name__} defines its own train_step, which calls its sub-modules '
             'directly, past the DDP forward that reduces gradients. Use model_wrapper_cfg='
             "dict(type='MMSeparateDistributedDataParallel') (mmengine's DDP per child, as "

@@ -1,47 +1,194 @@
-"""``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models."""
-from typing import Any, Mapping, Optional
+"""``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models, and its config.
+
+``MMSeparateFullyShardedDataParallel`` is its form for a model that runs its own
+steps (a GAN, a TTA model): one FSDP1 root per child; the builder
+(:mod:`mmfsdp.wrappers.builder`) picks it for such a model.
+"""
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 
 from ..activation_checkpointing import apply_activation_checkpointing_to
-from ..dist import current_device
+from ..clip import clip_grads_by_global_norm
+from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync
+from ..dist import current_device, local_world_size
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
-from ..plan.spec import ShardingSpec
-from ..policies import planned_policy
+from ..options import (
+    Accumulation,
+    resolve_accumulation,
+    resolve_backward_prefetch,
+    resolve_cpu_offload,
+    resolve_flag,
+    resolve_init_device,
+    resolve_mixed_precision,
+    resolve_sharding_strategy,
+)
+from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
-from .config import FSDPConfig
-from .configured import ConfiguredWrapper
-from .grad_sync import AccumulationNoSync
-from .guard import reject_stock_runner
-from .mesh import build_hybrid_mesh
-from .separate import MMSeparateFullyShardedDataParallel
-from .specs import fsdp1_spec
-from .steps import DataParallelSteps, own_steps
+from .base import (
+    AccumulationNoSync,
+    Construction,
+    DataParallelSteps,
+    Layout,
+    ModelHolder,
+    Padding,
+    ParallelWrapper,
+    ShardingSpec,
+    WrapperConfig,
+    reject_stock_runner,
+    resolved,
+)
 
-__all__ = ['FSDPConfig', 'MMFullyShardedDataParallel']
+__all__ = ['FSDPConfig', 'MMFullyShardedDataParallel', 'MMSeparateFullyShardedDataParallel',
+           'node_mesh_sizes']
+
+NAME = 'mmfsdp.MMFullyShardedDataParallel'
+
+
+def _flag(key: str) -> Any:
+    return lambda value: resolve_flag(value, key=f'model_wrapper_cfg.{key}')
+
+
+def node_mesh_sizes(world_size: int, local: Optional[int]) -> Tuple[int, int]:
+    """``(replicate, shard)`` for sharding within each node of ``local`` ranks (``None``: one)."""
+    shard = min(world_size, local or world_size)
+    if world_size % shard:
+        raise ValueError(f'LOCAL_WORLD_SIZE: {shard} ranks per node do not divide the world '
+                         f'size {world_size}; hybrid sharding needs the same number of ranks '
+                         'on every node')
+    return world_size // shard, shard
+
+
+def _hybrid_mesh(device: torch.device) -> DeviceMesh:
+    """FSDP1's hybrid strategies on a 2-D mesh: shard within a node, replicate across.
+
+    A mesh rather than FSDP1's own intra-node groups: the sharded state dicts
+    are then DTensors over the whole world, so a DCP save covers every rank
+    (torch #102904). Collective.
+    """
+    replicate, shard = node_mesh_sizes(dist.get_world_size(), local_world_size())
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))
+
+
+@dataclass(frozen=True)
+class FSDPConfig(WrapperConfig):
+    """The configuration of :class:`MMFullyShardedDataParallel`, resolved."""
+
+    #: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD, HYBRID_SHARD, ...
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    #: Which submodules become their own unit (see :mod:`mmfsdp.policies`).
+    auto_wrap_policy: PolicyConfig = None
+    #: When to fetch the next unit's parameters in backward.
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    #: Compute / reduce / buffer dtypes; ``None`` trains in the parameters' dtype.
+    mixed_precision: Optional[MixedPrecision] = None
+    #: Keep sharded parameters and gradients on the CPU (accelerators only).
+    cpu_offload: CPUOffload = field(default_factory=CPUOffload)
+    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
+    activation_checkpointing: Optional[Mapping[str, Any]] = None
+    #: Fetch the next unit's parameters during forward, ahead of its use.
+    forward_prefetch: bool = False
+    #: Bound the number of all-gathers in flight (caps memory on accelerators).
+    limit_all_gathers: bool = True
+    #: Broadcast rank 0's weights at construction, unit by unit on the device.
+    #: ``None``: FSDPRunner decides (on where it keeps the model on the CPU until wrapping).
+    sync_module_states: Optional[bool] = None
+    #: ``'meta'``: build on the meta device, materialise on the CPU, then shard.
+    init_device: Optional[str] = None
+    #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
+    #: local gradients until the last (see :mod:`mmfsdp.options.accumulation`).
+    accumulation: Accumulation = Accumulation.SHARDED
+
+    NAME: ClassVar[str] = NAME
+    trainable_roots_only: ClassVar[bool] = True
+    RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
+        sharding_strategy=resolve_sharding_strategy,
+        backward_prefetch=resolve_backward_prefetch,
+        mixed_precision=resolve_mixed_precision,
+        cpu_offload=resolve_cpu_offload,
+        forward_prefetch=_flag('forward_prefetch'),
+        limit_all_gathers=_flag('limit_all_gathers'),
+        sync_module_states=lambda v: None if v is None else resolve_flag(
+            v, key='model_wrapper_cfg.sync_module_states'),
+        init_device=resolve_init_device,
+        accumulation=resolve_accumulation,
+    )
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """``cpu_offload``."""
+        return self.cpu_offload.offload_params
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the strategy replicates across nodes and shards within each."""
+        return self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2)
+
+    def stages_on_cpu(self, device: torch.device) -> bool:
+        """On an accelerator, unless ``sync_module_states=False`` was written.
+
+        FSDP1 then moves the model and broadcasts rank 0's weights unit by unit,
+        so no device holds it whole.
+        """
+        return device.type != 'cpu' and self.sync_module_states is not False
+
+    def check_device(self, device: torch.device) -> None:
+        """FSDP1 offloads into pinned memory, which needs an accelerator."""
+        if self.cpu_offload.offload_params and device.type == 'cpu':
+            raise ValueError('model_wrapper_cfg.cpu_offload: FSDP1 offloads to pinned memory, '
+                             'which needs an accelerator, and this process trains on the CPU; '
+                             'set cpu_offload=False (the parameters are on the CPU already)')
+
+    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+        """Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks (all, unset)."""
+        strategy = self.sharding_strategy
+        shard = world_size
+        if strategy is ShardingStrategy.NO_SHARD:
+            shard = 1
+        elif self.hybrid:
+            shard = node_mesh_sizes(world_size, local_world_size())[1]
+        sharded = shard > 1
+        return ShardingSpec(
+            wrapper=NAME, strategy=strategy.name,
+            shard_size=shard, replicate_size=world_size // shard, units=layout.units,
+            padding=Padding.FLAT if sharded else Padding.NONE,
+            shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
+            keep_gathered_until_backward=sharded and strategy in (
+                ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
+            compute_dtype=self.mixed_precision.param_dtype if self.mixed_precision else None,
+            construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True,
+            checkpoint_layers=layout.checkpoint_layers,
+            unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
+
+
+def _planned_policy(module: nn.Module, units: Tuple[str, ...]) -> Any:
+    """FSDP1's ``auto_wrap_policy`` that wraps exactly the planned units (no second walk)."""
+    ids = frozenset(id(module.get_submodule(name)) for name in units)
+    return lambda module, recurse, nonwrapped_numel: recurse or id(module) in ids
 
 
 @MODEL_WRAPPERS.register_module()
 class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullyShardedDataParallel,
-                                 ConfiguredWrapper):
+                                 ParallelWrapper):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
 
-    The keyword arguments are the fields of :class:`FSDPConfig`. The device is
-    this process's accelerator or the CPU (chosen here, not configured).
-    Parameters keep their names and objects (``use_orig_params=True``), which
-    per-parameter optimizer settings (``paramwise_cfg``) rely on.
-
-    Build it through :class:`mmfsdp.FSDPRunner`, which initialises weights on
-    the full model before sharding, groups parameters by their unsharded
-    shapes and clips by the global norm; mmengine's stock Runner is refused.
-
-    The device never holds the full model: the model stays on the CPU until
-    wrapping and FSDP moves it to the device unit by unit (``device_id``),
-    with rank 0's weights broadcast per unit on the device. With
-    ``init_device='meta'`` the model is built on the meta device and
-    materialised on the CPU with the verified init of :mod:`mmfsdp.meta_init`.
+    The keyword arguments are the fields of :class:`FSDPConfig`; the device is
+    this process's accelerator or the CPU. Parameters keep their names and
+    objects (``use_orig_params=True``), which ``paramwise_cfg`` relies on.
+    Build it through :class:`mmfsdp.FSDPRunner`; mmengine's stock Runner is
+    refused.
 
     Config::
 
@@ -52,87 +199,113 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
             auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
             backward_prefetch='pre',               # 'pre' | 'post' | None
             mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
-            cpu_offload=False,
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
             init_device=None,                      # 'meta': build without weights first
             accumulation='sharded')                # 'unsharded': no_sync, full gradients
     """
 
-    #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
     supports_meta_init = True
     CONFIG = FSDPConfig
-    NAME = 'mmfsdp.MMFullyShardedDataParallel'
 
-    def __new__(cls, module: Optional[nn.Module] = None, **config: Any) -> nn.Module:
-        """A new wrapper; for a model with its own steps, one FSDP1 root per child.
-
-        FSDP1 reduces gradients only after a backward through its root's
-        forward, which a model's own ``train_step`` never runs (see
-        :mod:`mmfsdp.wrappers.separate`).
-        """
-        if module is not None and own_steps(module) and cls is MMFullyShardedDataParallel:
-            reject_stock_runner(cls.__name__)
-            return MMSeparateFullyShardedDataParallel(module, **config)
-        return super().__new__(cls)
-
-    def __init__(self, module: nn.Module, **config: Any) -> None:
+    def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
+                 layout: Optional[Layout] = None, **options: Any) -> None:
         reject_stock_runner(type(self).__name__)
-        cfg = FSDPConfig.from_dict(config)
+        cfg = resolved(FSDPConfig, config, options)
         device = current_device()
         cfg.check_device(device)
-        policy, checkpoint_layers = cfg.for_model(module)
+        layout = layout or cfg.layout(module)
+        if layout.roots is not None:
+            raise ValueError(f'{type(module).__name__} runs its own steps: build '
+                             'MMSeparateFullyShardedDataParallel (FSDPRunner does) so that each '
+                             'child is an FSDP1 root of its own')
         on_meta = check_meta_model(module, cfg.init_device, 'before sharding')
         if on_meta:
             # On the CPU, then to the device unit by unit: FSDP1 flattens whole
             # tensors, so shape-dependent initialisers need them unsharded.
             materialize(module, torch.device('cpu'),
                         broadcast='all' if device.type == 'cpu' else None)
-        # A 2-D mesh, not FSDP1's own intra-node groups: with it the sharded state
-        # dicts are DTensors over the whole world, so a DCP save covers every rank
-        # (without it they cover one node's group only, torch #102904).
-        mesh = build_hybrid_mesh(device) if cfg.hybrid else None
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
-            auto_wrap_policy=planned_policy(module, policy) if policy else None,
+            auto_wrap_policy=_planned_policy(module, layout.units) if layout.units else None,
             backward_prefetch=cfg.backward_prefetch,
             mixed_precision=cfg.mixed_precision,
             cpu_offload=cfg.cpu_offload,
             device_id=device,
-            device_mesh=mesh,
+            device_mesh=_hybrid_mesh(device) if cfg.hybrid else None,
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers,
             # FSDP1 broadcasts only tensors on an accelerator; on the CPU materialize() did
-            sync_module_states=cfg.sync_module_states or (on_meta and device.type != 'cpu'),
+            sync_module_states=bool(cfg.sync_module_states) or (on_meta and device.type != 'cpu'),
             use_orig_params=True)
         set_preprocessor_device(self.module, device)
-        apply_activation_checkpointing_to(self, checkpoint_layers)
+        apply_activation_checkpointing_to(self, layout.checkpoint_layers)
         self._accumulation = cfg.accumulation
-        self._sync_next_backward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """FSDP1's forward; its backward reduces gradients unless it ran in ``no_sync``."""
-        # FSDP1 reads _sync_gradients in backward, which mmengine runs after leaving
-        # no_sync (around the forward only); so set it here for the coming backward.
+        """FSDP1's forward; its backward reduces gradients unless it ran in ``no_sync``.
+
+        FSDP1 reads its sync flag in backward, which mmengine runs after leaving
+        ``no_sync``; so the flag is set here for the coming backward.
+        """
         for module in FullyShardedDataParallel.fsdp_modules(self):
-            module._sync_gradients = self._sync_next_backward
+            set_fsdp1_gradient_sync(module, self._sync_next_backward)
         return super().forward(*args, **kwargs)
 
-    @classmethod
-    def stages_on_cpu(cls, config: Mapping[str, Any], device: torch.device) -> bool:
-        """On an accelerator, unless ``sync_module_states=False``: FSDP1 broadcasts per unit.
 
-        FSDP1's broadcast (``sync_module_states``) takes device tensors; on the
-        CPU the runner's own broadcast serves.
-        """
-        return device.type != 'cpu' and config.get('sync_module_states') is not False
+@MODEL_WRAPPERS.register_module()
+class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, ParallelWrapper):
+    """FSDP1 for a model with its own steps: each child with trainable parameters is a root.
 
-    @classmethod
-    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
-                      world_size: int) -> ShardingSpec:
-        """How this config shards ``module`` over ``world_size`` ranks (see :mod:`mmfsdp.plan`).
+    The model calls its children directly, past any wrapper's forward, and FSDP1
+    gathers and reduces only through a root's forward; so each such child
+    becomes an :class:`MMFullyShardedDataParallel` (the options apply to each).
+    Children whose parameters are all frozen (an EMA copy) stay as they are,
+    as under mmengine's ``MMSeparateDistributedDataParallel``.
 
-        Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks
-        (the whole world when unset).
-        """
-        return fsdp1_spec(FSDPConfig.from_dict(config), module, world_size)
+    Config (the same as for any model; FSDPRunner picks this form)::
+
+        model_wrapper_cfg = dict(type='mmfsdp.MMFullyShardedDataParallel')
+    """
+
+    supports_meta_init = True
+    CONFIG = FSDPConfig
+
+    def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
+                 layout: Optional[Layout] = None, **options: Any) -> None:
+        reject_stock_runner(type(self).__name__)
+        super().__init__()
+        cfg = resolved(FSDPConfig, config, options)
+        device = current_device()
+        layout = layout or cfg.layout(module)
+        if check_meta_model(module, cfg.init_device, 'before sharding'):
+            # The whole model on the device, so that its own init_weights and the
+            # buffers it holds itself are materialised too (no staging: own steps).
+            materialize(module, device, broadcast='all')
+            cfg = replace(cfg, init_device=None)
+        for name in layout.roots:
+            child = module.get_submodule(name)
+            module.register_module(name, MMFullyShardedDataParallel(child, config=cfg))
+        set_preprocessor_device(module, device)
+        self.module = module
+
+    def roots(self) -> List[MMFullyShardedDataParallel]:
+        """The FSDP1 roots, one per child with trainable parameters."""
+        return [m for m in self.module.children() if isinstance(m, MMFullyShardedDataParallel)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; its children gather their own parameters."""
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Every root's ``no_sync``."""
+        with contextlib.ExitStack() as stack:
+            for root in self.roots():
+                stack.enter_context(root.no_sync())
+            yield
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all roots' gradients by their global norm."""
+        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)

@@ -1,50 +1,245 @@
-"""``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models.
-
-The wrapper class only; its parts live by concern: the resolved config
-(:mod:`.config`), the sharding procedure (:mod:`.sharding`), the model's names
-(:mod:`.holder`), ``no_sync`` (:mod:`.grad_sync`), the plan (:mod:`.specs`),
-clipping (:mod:`mmfsdp.clip`) and meta init (:mod:`mmfsdp.meta_init`).
-"""
-from typing import Any, Mapping
+"""``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models, and its config."""
+import functools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
+from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..clip import clip_grads_by_global_norm
-from ..dist import current_device
+from ..compat import checkpoint_inner
+from ..dist import current_device, local_world_size
 from ..meta_init import check_meta_model, materialize
-from ..plan.spec import ShardingSpec
+from ..options import (
+    NODE,
+    Accumulation,
+    MeshSpec,
+    reject_fsdp1_options,
+    resolve_accumulation,
+    resolve_flag,
+    resolve_init_device,
+    resolve_mesh,
+    resolve_mp_policy,
+    resolve_offload_policy,
+    resolve_reshard_after_forward,
+    translate_sharding_strategy,
+)
+from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
+from ..tied import merge_units_sharing_parameters
 from ..unused_params import UsageProbe, check_same_parameters_used
-from .config import FullyShardConfig
-from .configured import ConfiguredWrapper
-from .grad_sync import GradientSyncSwitch
-from .guard import reject_stock_runner
-from .holder import ModelHolder
-from .mesh import build_mesh, check_reshard_after_forward
-from .separate import separate_roots
-from .sharding import shard_model, unit_plan
-from .specs import fully_shard_spec
-from .steps import DataParallelSteps, own_steps
+from .base import (
+    AccumulationNoSync,
+    Construction,
+    DataParallelSteps,
+    Layout,
+    ModelHolder,
+    Padding,
+    ParallelWrapper,
+    ShardingSpec,
+    WrapperConfig,
+    reject_stock_runner,
+    resolved,
+)
 
-__all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model', 'unit_plan']
+__all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model']
+
+NAME = 'mmfsdp.MMFullyShard'
+
+
+@dataclass(frozen=True)
+class FullyShardConfig(WrapperConfig):
+    """The configuration of :class:`MMFullyShard`, resolved.
+
+    An FSDP1 ``sharding_strategy`` is translated into ``reshard_after_forward``
+    (and, for the hybrid strategies, the mesh).
+    """
+
+    #: Which submodules get their own ``fully_shard`` (same policies as FSDP1).
+    auto_wrap_policy: PolicyConfig = None
+    #: Free the gathered parameters after forward (True, ZeRO-3), keep them
+    #: until backward (False, ZeRO-2), or keep them gathered within groups of
+    #: this many ranks (int).
+    reshard_after_forward: Union[bool, int] = True
+    #: ``replicate x shard`` ranks; ``replicate > 1`` is hybrid sharding.
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    #: Compute / reduce / output dtypes.
+    mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    #: Keep sharded parameters, gradients and optimizer state on the CPU.
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
+    activation_checkpointing: Optional[Mapping[str, Any]] = None
+    #: ``'meta'``: build on the meta device, shard, then materialise each shard.
+    init_device: Optional[str] = None
+    #: Reduce a zero gradient for every parameter that got none in this rank's
+    #: backward (ranks that use different parameters: a head used on some ranks
+    #: only, MoE experts). Without it the first training forward checks that
+    #: the ranks used the same parameters (a hang in backward otherwise).
+    find_unused_parameters: bool = False
+    #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
+    #: local gradients (and, with ``reshard_after_forward=False``, the gathered
+    #: parameters) until the last (see :mod:`mmfsdp.options.accumulation`).
+    accumulation: Accumulation = Accumulation.SHARDED
+
+    NAME: ClassVar[str] = NAME
+    RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
+        reshard_after_forward=resolve_reshard_after_forward,
+        mesh=resolve_mesh,
+        mixed_precision=resolve_mp_policy,
+        offload=resolve_offload_policy,
+        init_device=resolve_init_device,
+        find_unused_parameters=lambda v: resolve_flag(
+            v, key='model_wrapper_cfg.find_unused_parameters'),
+        accumulation=resolve_accumulation,
+    )
+    TRANSLATED: ClassVar[Tuple[str, ...]] = ('sharding_strategy', )
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> 'FullyShardConfig':
+        """Resolve a ``model_wrapper_cfg``; FSDP1-only options are refused with their FSDP2 form."""
+        reject_fsdp1_options(cfg)
+        return super().from_dict(cfg)
+
+    @classmethod
+    def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        if cfg.get('sharding_strategy') is not None:
+            cfg.update(_from_sharding_strategy(cfg))
+        cfg.pop('sharding_strategy', None)
+        return cfg
+
+    def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
+        """FSDP2 allows one group per parameter: units sharing one are merged."""
+        return tuple(merge_units_sharing_parameters(module, units)[0])
+
+    def _check_own_steps(self, module: nn.Module) -> None:
+        """``'unsharded'`` accumulation acts at the wrapper's forward, which such a model skips."""
+        if self.accumulation is Accumulation.UNSHARDED:
+            raise ValueError(
+                "model_wrapper_cfg.accumulation='unsharded': "
+                f'{type(module).__name__} runs its own train_step, which calls its children '
+                f"directly, past {NAME}'s forward where no_sync takes effect; use "
+                "accumulation='sharded' (the same numbers) or "
+                "type='mmfsdp.MMFullyShardedDataParallel'")
+
+    @property
+    def offloads_to_cpu(self) -> bool:
+        """``offload=dict(cpu_offload=True)``."""
+        return isinstance(self.offload, CPUOffloadPolicy)
+
+    def check_device(self, device: torch.device) -> None:
+        """Pinned memory needs an accelerator."""
+        if (isinstance(self.offload, CPUOffloadPolicy) and self.offload.pin_memory
+                and device.type == 'cpu'):
+            raise ValueError('model_wrapper_cfg.offload.pin_memory: pinned memory needs an '
+                             'accelerator and this process trains on the CPU; set '
+                             'pin_memory=False, or leave offload out (the parameters are on '
+                             'the CPU already)')
+
+    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+        """``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset)."""
+        local = local_world_size() or world_size
+        replicate, shard = self.mesh.sizes(world_size, min(local, world_size)
+                                           if self.mesh.shard == NODE else None)
+        reshard = self.reshard_after_forward
+        return ShardingSpec(
+            wrapper=NAME, strategy=f'reshard_after_forward={reshard}',
+            shard_size=shard, replicate_size=replicate, units=layout.units,
+            padding=Padding.DIM0 if shard > 1 else Padding.NONE,
+            shard_params=shard > 1, shard_grads=shard > 1, shard_optimizer=shard > 1,
+            keep_gathered_until_backward=shard > 1 and reshard is not True,
+            compute_dtype=self.mixed_precision.param_dtype,
+            construction=Construction.SHARDS if self.init_device == 'meta' else Construction.FULL,
+            gathers_unsharded=True, grads_freed_between_steps=True,
+            checkpoint_layers=layout.checkpoint_layers,
+            unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
+
+
+def _from_sharding_strategy(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """``reshard_after_forward`` (and the hybrid mesh) an FSDP1 strategy name stands for."""
+    if 'reshard_after_forward' in cfg:
+        raise TypeError('model_wrapper_cfg: give reshard_after_forward or sharding_strategy '
+                        '(translated to it), not both')
+    reshard, hybrid = translate_sharding_strategy(cfg['sharding_strategy'])
+    out: Dict[str, Any] = dict(reshard_after_forward=reshard)
+    if hybrid:
+        mesh = resolve_mesh(cfg.get('mesh'))
+        if 'mesh' not in cfg:
+            mesh = MeshSpec(replicate=-1, shard='node')  # FSDP1's layout: shard within a node
+        elif mesh.replicate == 1:
+            raise ValueError('model_wrapper_cfg.sharding_strategy: '
+                             f'{cfg["sharding_strategy"]!r} replicates '
+                             'across groups, but mesh has replicate=1; set mesh=dict('
+                             'replicate=R, shard=S) with R > 1, or leave mesh out to shard '
+                             'within each node')
+        out['mesh'] = mesh
+    return out
+
+
+def _build_mesh(spec: MeshSpec, device: torch.device) -> DeviceMesh:
+    """A 1-D ``('shard',)`` mesh, or 2-D ``('replicate', 'shard')`` for hybrid sharding."""
+    replicate, shard = spec.sizes(dist.get_world_size(), local_world_size())
+    if replicate == 1:
+        return init_device_mesh(device.type, (shard, ), mesh_dim_names=('shard', ))
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))
+
+
+def _check_reshard_after_forward(value: Union[bool, int], mesh: DeviceMesh) -> None:
+    """An int ``reshard_after_forward`` must divide the shard group size (1 and itself excluded)."""
+    if isinstance(value, bool):
+        return
+    size = mesh.size(mesh.ndim - 1)
+    if value >= size or size % value:
+        divisors = [d for d in range(2, size) if size % d == 0]
+        raise ValueError('model_wrapper_cfg.reshard_after_forward: '
+                         f'{value} is not a divisor of the shard group '
+                         f'size {size} other than 1 and {size}; valid ints here are {divisors} '
+                         '(or use True / False)')
+
+
+def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
+                reshard_after_forward: Union[bool, int], mp_policy: MixedPrecisionPolicy,
+                offload_policy: OffloadPolicy) -> List[nn.Module]:
+    """Apply ``fully_shard`` to the layout's units (children first), then to the root(s).
+
+    The checkpointed layers are wrapped first, so a unit that is such a layer is
+    sharded as its checkpoint wrapper. Returns the roots.
+    """
+    roots = [module.get_submodule(n) for n in layout.roots] if layout.roots else [module]
+    targets = [module.get_submodule(n) for n in layout.units if n not in (layout.roots or ())]
+    apply_activation_checkpointing_to(module, layout.checkpoint_layers)
+    outer = {id(checkpoint_inner(m)): m for m in module.modules()
+             if checkpoint_inner(m) is not None}
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy,
+                              offload_policy=offload_policy)
+    for target in targets:
+        shard(outer.get(id(target), target), reshard_after_forward=reshard_after_forward)
+    # The root's parameters are needed first in backward: like torch's default,
+    # keep them gathered after forward unless asked for ZeRO-2/groups explicitly.
+    for root in roots:
+        shard(outer.get(id(root), root), reshard_after_forward=None
+              if reshard_after_forward is True else reshard_after_forward)
+    return roots
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, ConfiguredWrapper):
+class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelWrapper):
     """Fully sharded data parallel with torch's ``fully_shard`` (FSDP2).
 
-    The model is sharded in place: parameters become DTensors sharded over the
-    mesh's ``shard`` dimension, one ``fully_shard`` group per unit that the
-    wrap policy picks (bottom-up), plus the root. The wrapper is a thin module
-    holding it as ``self.module`` (mmengine's wrapper contract); state dicts,
-    including ``torch.distributed.checkpoint.state_dict``'s, use the
-    unwrapped model's keys, so full checkpoints move freely between this wrapper,
-    FSDP1, DDP and one process.
-
-    The keyword arguments are the fields of :class:`FullyShardConfig`; FSDP1's
-    ``sharding_strategy`` is accepted and translated. Build it through
-    :class:`mmfsdp.FSDPRunner`; mmengine's stock Runner is refused.
+    The model is sharded in place (DTensor parameters, one ``fully_shard`` group
+    per unit of the wrap policy, plus the root) and held as ``self.module``;
+    names and state dicts are the unwrapped model's, so full checkpoints move
+    freely between this wrapper, FSDP1, DDP and one process. A model with its
+    own steps gets one root per child with parameters. The keyword arguments
+    are the fields of :class:`FullyShardConfig`.
 
     Config::
 
@@ -62,52 +257,46 @@ class MMFullyShard(DataParallelSteps, GradientSyncSwitch, ModelHolder, Configure
             accumulation='sharded')                # 'unsharded': no_sync, full gradients
     """
 
-    #: :class:`mmfsdp.FSDPRunner` may build the model on the meta device for it.
     supports_meta_init = True
     CONFIG = FullyShardConfig
-    NAME = 'mmfsdp.MMFullyShard'
 
-    def __init__(self, module: nn.Module, **config: Any) -> None:
+    def __init__(self, module: nn.Module, *, config: Optional[FullyShardConfig] = None,
+                 layout: Optional[Layout] = None, **options: Any) -> None:
         reject_stock_runner(type(self).__name__)
         super().__init__()
-        cfg = FullyShardConfig.from_dict(config)
-        policy, checkpoint_layers = cfg.for_model(module)
+        cfg = resolved(FullyShardConfig, config, options)
         device = current_device()
         cfg.check_device(device)
-        self.mesh = build_mesh(cfg.mesh, device)
-        check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
+        layout = layout or cfg.layout(module)
+        self.mesh = _build_mesh(cfg.mesh, device)
+        _check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
         on_meta = check_meta_model(module, cfg.init_device, 'after sharding')
-        # A model with its own steps calls its children directly: each is its own root.
-        roots = separate_roots(module, 'mmfsdp.MMFullyShard') if own_steps(module) else None
-        self.units = shard_model(module, self.mesh, policy, checkpoint_layers,
-                                 reshard_after_forward=cfg.reshard_after_forward,
-                                 mp_policy=cfg.mixed_precision, offload_policy=cfg.offload,
-                                 roots=roots)
-        self._roots = [module.get_submodule(n) for n in roots] if roots else [module]
+        self.units = list(u for u in layout.units if u not in (layout.roots or ()))
+        self._roots = shard_model(module, self.mesh, layout,
+                                  reshard_after_forward=cfg.reshard_after_forward,
+                                  mp_policy=cfg.mixed_precision, offload_policy=cfg.offload)
         if cfg.find_unused_parameters:
             for root in self._roots:
                 root.set_reduce_scatter_unused_params(True)
-        # Without the option, the first training forward checks that no rank left
-        # a parameter unused that another used (a hang in backward otherwise).
-        self._usage_probe = None if cfg.find_unused_parameters else UsageProbe(module)
+        # The first training forward checks that no rank left a parameter unused that
+        # another used. A model with its own steps never runs that forward: no probe.
+        self._usage_probe = (UsageProbe(module) if not cfg.find_unused_parameters
+                             and layout.roots is None else None)
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
-        self._sync_next_backward = True
-        self._set_accumulation(cfg.accumulation, cfg.reshard_after_forward)
-
-    @classmethod
-    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
-                      world_size: int) -> ShardingSpec:
-        """How this config shards ``module`` over ``world_size`` ranks (see :mod:`mmfsdp.plan`).
-
-        ``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset).
-        """
-        return fully_shard_spec(FullyShardConfig.from_dict(config), module, world_size)
+        self._accumulation = cfg.accumulation
+        # ZeRO-2 keeps parameters gathered to backward; 'unsharded' then keeps them
+        # across micro-steps too.
+        self._keep_gathered = (cfg.accumulation is Accumulation.UNSHARDED
+                               and cfg.reshard_after_forward is False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The sharded model's forward; gradients of the coming backward sync unless in no_sync."""
-        self._apply_gradient_sync()
+        """The sharded model's forward; the coming backward reduces unless inside no_sync."""
+        for root in self._roots:
+            root.set_requires_gradient_sync(self._sync_next_backward)
+            if self._keep_gathered:  # the last micro-step reshards after its backward again
+                root.set_reshard_after_backward(self._sync_next_backward)
         output = self.module(*args, **kwargs)
         if self._usage_probe is not None and self.training and torch.is_grad_enabled():
             probe, self._usage_probe = self._usage_probe, None
