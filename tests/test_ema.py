@@ -78,11 +78,26 @@ def _result(runner) -> dict:
     model = gather_full_state(runner.model, None)[0]
     out = dict(model={k: v.clone() for k, v in model.items()}, iter=runner.iter,
                ema={h.ema_cfg['type']: h.averaged_state_dict(runner) for h in hooks},
+               ema_module={h.ema_cfg['type']: _ema_module(h) for h in hooks},
+               src_model_is_unwrapped=[h.src_model is getattr(runner.model, 'module', runner.model)
+                                       for h in hooks],
                steps=[int(h.ema_model.steps) for h in hooks],
                ema_bytes=[ema_bytes_per_rank(runner.model) for _ in hooks])
     if runner.message_hub.log_scalars.get('val/nll'):
         out['val_nll'] = float(runner.message_hub.get_scalar('val/nll').current())
     return out
+
+
+def _ema_module(hook) -> dict:
+    """What ``hook.ema_model`` holds: its class, its module's class, and the module's
+    parameters on this rank (local pieces; whether each is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+    module = hook.ema_model.module
+    params = {name: (isinstance(p, DTensor), (p.to_local() if isinstance(p, DTensor)
+                                              else p).detach().clone())
+              for name, p in module.named_parameters()}
+    return dict(cls=type(hook.ema_model).__name__, module_cls=type(module).__name__,
+                params=params)
 
 
 def _two_ranks(root: str) -> dict:
@@ -177,6 +192,39 @@ def test_every_ema_type_averages_like_one_process(runs, reference, wrapper):
     ema = got['ema']
     assert max_abs_diff(ema['ExponentialMovingAverage'], ema['StochasticWeightAverage']) > 1e-3
     assert max_abs_diff(ema['ExponentialMovingAverage'], ema['MomentumAnnealingEMA']) > 1e-3
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_ema_model_holds_this_ranks_pieces_of_the_average(ranks, wrapper):
+    """``ema_hook.ema_model`` is the ``ema_type`` object whose ``module`` holds the averaged
+    parameters under the model's names (mmengine's hook: a copy of the model). Under sharding
+    each rank's are its pieces: DTensors (FSDP2), flat views of the shard (FSDP1); their
+    concatenation over the ranks is the whole average. DDP holds the whole copy."""
+    for ema_type in EMA_HOOKS:
+        full = ranks[0][f'types/{wrapper}']['ema'][ema_type]
+        got = [r[f'types/{wrapper}']['ema_module'][ema_type] for r in ranks]
+        assert {g['cls'] for g in got} == {ema_type}
+        assert {g['module_cls'] for g in got} == {'ToyClassifier' if wrapper == 'ddp'
+                                                  else 'Module'}
+        names = sorted(n for n, _ in ToyClassifier().named_parameters())
+        assert all(sorted(g['params']) == names for g in got)
+        for name in names:
+            dtensor = [g['params'][name][0] for g in got]
+            pieces = [g['params'][name][1] for g in got]
+            assert dtensor == [wrapper == 'fsdp2'] * WORLD_SIZE, name
+            if wrapper == 'ddp':
+                assert all(torch.equal(p, full[name]) for p in pieces), name
+            elif wrapper == 'fsdp2':
+                assert torch.equal(torch.cat(pieces), full[name]), name
+            else:
+                assert torch.equal(torch.cat([p.flatten() for p in pieces]),
+                                   full[name].flatten()), name
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_src_model_is_the_unwrapped_model(ranks, wrapper):
+    assert all(r[f'types/{wrapper}']['src_model_is_unwrapped'] == [True] * len(EMA_HOOKS)
+               for r in ranks)
 
 
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
@@ -368,3 +416,45 @@ def test_a_rank_failing_to_collect_the_average_fails_every_rank(tmp_path):
             # at the first save (iteration 3), long before a collective would time out
             assert result['iter'] == HALF - 1 and not result['saved']
             assert result['seconds'] < COLLECTIVE_TIMEOUT_S
+
+
+def _hooks_after_before_run(runner_cls, hook_type: str, root: str) -> tuple:
+    """A one-process runner's model and its EMA hook, once the ``before_run`` hooks ran."""
+    cfg = _config(f'before-run-{hook_type}', f'{root}/before-run-{hook_type}',
+                  hooks=[dict(EMA, type=hook_type)], world_size=1, launcher='none')
+    runner = runner_cls.from_cfg(cfg)
+    runner.call_hook('before_run')
+    return runner.model, _ema_hooks(runner)[0]
+
+
+@pytest.mark.parametrize('runner_cls', ['Runner', 'FSDPRunner'])
+def test_before_run_sets_src_model_and_the_ema_copy_as_the_stock_hook_does(root, runner_cls):
+    from mmfsdp import FSDPRunner
+    from mmfsdp.ema import EMAHook
+    cls = dict(Runner=Runner, FSDPRunner=FSDPRunner)[runner_cls]
+    stock_model, stock = _hooks_after_before_run(Runner, 'mmengine.EMAHook', root)
+    model, ours = _hooks_after_before_run(cls, 'mmfsdp.EMAHook', root)
+    assert isinstance(ours, EMAHook) and not isinstance(stock, EMAHook)
+    assert stock.src_model is stock_model and ours.src_model is model
+    for hook, source in ((stock, stock_model), (ours, model)):
+        assert type(hook.ema_model).__name__ == 'ExponentialMovingAverage'
+        assert type(hook.ema_model.module) is ToyClassifier
+        averaged, trained = dict(hook.ema_model.module.named_parameters()), dict(
+            source.named_parameters())
+        assert sorted(averaged) == sorted(trained)
+        assert all(averaged[k] is not trained[k] and torch.equal(averaged[k], trained[k])
+                   and not averaged[k].requires_grad for k in trained)
+
+
+def test_ema_model_after_one_process_training_equals_the_stock_hooks(root, reference):
+    """The object the stock hook leaves behind, with the same averaged values."""
+    from mmfsdp import FSDPRunner
+    cfg = _config('one-process', f'{root}/one-process', hooks=[EMA], world_size=1,
+                  state_dict_type='full', launcher='none')
+    runner = FSDPRunner.from_cfg(cfg)
+    runner.train()
+    hook = _ema_hooks(runner)[0]
+    assert type(hook.ema_model).__name__ == 'ExponentialMovingAverage'
+    assert type(hook.ema_model.module) is ToyClassifier and hook.src_model is runner.model
+    assert max_abs_diff(dict(hook.ema_model.module.state_dict()), reference['ema']) == 0
+    assert int(hook.ema_model.steps) == TOTAL

@@ -6,9 +6,10 @@ FSDP2 the parameters are DTensors (mixed Tensor/DTensor error), and every rank
 holds a full copy. This hook keeps the same options, the same maths and the
 same checkpoint format, in two parts:
 
-- :mod:`.averaging`: the averaged model is a list of tensors, each this rank's
-  local piece of a parameter of the *wrapped* model, averaged by the
-  configured ``ema_type``'s own ``update_parameters``;
+- :mod:`.averaging`: ``ema_hook.ema_model`` is the configured ``ema_type``,
+  as with the stock hook; its ``module`` is a copy of the model on one process
+  (and under DDP), and under sharding this rank's pieces of the average under
+  the model's names, averaged by the ``ema_type``'s own ``update_parameters``;
 - :mod:`.checkpoint`: the averaged model in full files (the stock hook's
   format) and sharded directories, saved, resumed and loaded.
 
