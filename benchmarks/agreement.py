@@ -4,7 +4,7 @@
 torchrun job. Each rank builds the model through ``FSDPRunner`` with the
 FSDP2 wrapper (one unit per block) and ``train()`` runs with zero iterations,
 so everything up to the first step happens: that wall time is the
-construction time. Then :func:`mmfsdp.agreement.check_ranks_agree` (fingerprint
+construction time. Then :func:`mmfsdp.together.check_ranks_agree` (fingerprint
 of names, shapes, dtypes, wrapper config, sharding, unit plan; one all_gather
 of 8-byte digests) runs ``repeats`` times on the unwrapped model of the same
 preset; the median is its cost. The check runs once inside the construction too.
@@ -22,8 +22,8 @@ __all__ = ['run_case']
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
-    from mmfsdp.agreement import check_ranks_agree, fingerprint
-    from mmfsdp.wrappers.builder import resolve_wrapper_type
+    from mmfsdp.together import check_ranks_agree, fingerprint
+    from mmfsdp.wrappers.builder import resolve_wrapper
 
     from .workload import STRATEGIES, build_model, make_runner, runner_cfg
     wrapper_cfg = dict(STRATEGIES['FSDP2 reshard'].wrapper_cfg)
@@ -37,14 +37,15 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         construction_s = time.perf_counter() - start
         del runner
     model = build_model(case['model'])
-    cls = resolve_wrapper_type(wrapper_cfg)
+    wrapping = resolve_wrapper(wrapper_cfg)
+    layout = wrapping.layout(model)
     times: List[float] = []
     for _ in range(case.get('repeats', 10)):
         dist.barrier()
         start = time.perf_counter()
-        check_ranks_agree(model, cls, wrapper_cfg)
+        check_ranks_agree(model, wrapping, layout)
         times.append(time.perf_counter() - start)
-    fields = fingerprint(model, cls, wrapper_cfg, dist.get_world_size())
+    fields = fingerprint(model, wrapping, layout, dist.get_world_size())
     check_s = statistics.median(times)
     return dict(kind='agreement', model=case['model'], world_size=dist.get_world_size(),
                 params=sum(p.numel() for p in model.parameters()),

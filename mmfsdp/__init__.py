@@ -1,13 +1,15 @@
 """mmfsdp: sharded (FSDP) and data-parallel (DDP) training in mmengine's workflow.
 
-Importing the package registers everything: the wrappers, ``FSDPRunner``,
-the wrap policies and the demo workload, each under the scope ``'mmfsdp'``.
+Importing the package registers the wrappers, ``FSDPRunner``, the hooks, the
+optim wrapper and the wrap policies under the scope ``'mmfsdp'``; the demo
+workload (``mmfsdp.GPT``, ...) is imported on its first lookup.
 """
+__version__ = '0.1.0'  # also in setup.py; first: the ranks' fingerprint reads it
+
 # compat first: it checks torch's version before anything touches the newer APIs.
-from . import compat, demo, policies  # noqa: F401  (version check, registration)
+from . import compat, policies  # noqa: F401  (version check, registration)
 from .amp import AmpOptimWrapper
 from .registry import FSDP_WRAP_POLICIES
-from .release import __version__
 from .runner import FSDPRunner
 from .wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 

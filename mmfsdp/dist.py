@@ -11,7 +11,9 @@ gradients are CPU tensors, and clipping and loss scaling reduce over them.
 
 The selection is made of pure functions (:func:`select_device`,
 :func:`select_backend`) of what the environment reports, so that it can be
-checked on any machine.
+checked on any machine. Launch mistakes are refused on every rank before the
+group starts (:func:`check_launcher`, :func:`check_backend`): ``launcher='none'``
+under torchrun (N jobs training alone into one ``work_dir``), NCCL without CUDA.
 """
 import datetime
 import os
@@ -23,13 +25,38 @@ from typing import Any, Mapping, MutableMapping, Optional
 import torch
 import torch.distributed as dist
 
-from .startup import check_backend
-
-__all__ = ['current_device', 'default_backend',
+__all__ = ['check_backend', 'check_launcher', 'current_device', 'default_backend',
            'export_launcher_env', 'init_distributed', 'local_world_size', 'select_backend',
            'select_device', 'set_current_device']
 
 LAUNCHERS = ('pytorch', 'slurm', 'mpi')
+
+#: Variables that say "this process is one of N", and the launcher to name for each.
+_WORLD_SIZE_VARIABLES = (('WORLD_SIZE', 'pytorch'), ('OMPI_COMM_WORLD_SIZE', 'mpi'))
+
+
+def check_launcher(launcher: str) -> None:
+    """Raise ``ValueError`` if ``launcher='none'`` in a process a launcher started as one of N."""
+    if launcher != 'none':
+        return
+    for variable, fix in _WORLD_SIZE_VARIABLES:
+        size = os.environ.get(variable, '')
+        if size.isdigit() and int(size) > 1:
+            raise ValueError(
+                f"launcher: 'none', but {variable}={size} says a launcher started this process "
+                f'as one of {size}: without a process group each would train alone, all into '
+                f'the same work_dir. Pass --launcher {fix} to tools/train.py / tools/test.py '
+                f"(config: launcher='{fix}')")
+
+
+def check_backend(backend: Any) -> None:
+    """Raise ``ValueError`` if ``env_cfg.dist_cfg.backend`` asks for NCCL without CUDA."""
+    if backend is None or 'nccl' not in str(backend).lower() or torch.cuda.is_available():
+        return
+    raise ValueError(
+        f'env_cfg.dist_cfg.backend: {backend!r} needs CUDA GPUs and this machine has none; '
+        'remove the key (mmfsdp then picks gloo on the CPU and nccl on GPUs) or set it to '
+        "'gloo', e.g. --cfg-options env_cfg.dist_cfg.backend=gloo")
 
 
 def select_device(accelerator: Optional[str], device_count: int, local_rank: int) -> torch.device:

@@ -51,15 +51,10 @@ OPTIM_WRAPPERS = Registry(
     'optim_wrapper', parent=MMENGINE_OPTIM_WRAPPERS, scope=SCOPE, locations=['mmfsdp'])
 HOOKS = Registry(
     'hook', parent=MMENGINE_HOOKS, scope=SCOPE, locations=['mmfsdp'])
-MODELS = Registry(
-    'model', parent=MMENGINE_MODELS, scope=SCOPE,
-    locations=['mmfsdp'])
-DATASETS = Registry(
-    'dataset', parent=MMENGINE_DATASETS, scope=SCOPE,
-    locations=['mmfsdp'])
-METRICS = Registry(
-    'metric', parent=MMENGINE_METRICS, scope=SCOPE,
-    locations=['mmfsdp'])
+# The demo workload fills these; it is imported on the first lookup, not by ``import mmfsdp``.
+MODELS = Registry('model', parent=MMENGINE_MODELS, scope=SCOPE, locations=['mmfsdp.demo'])
+DATASETS = Registry('dataset', parent=MMENGINE_DATASETS, scope=SCOPE, locations=['mmfsdp.demo'])
+METRICS = Registry('metric', parent=MMENGINE_METRICS, scope=SCOPE, locations=['mmfsdp.demo'])
 
 #: mmengine's other root registries, by name: children with nothing of ours in them.
 _EMPTY_CHILDREN = ('RUNNER_CONSTRUCTORS', 'LOOPS', 'STRATEGIES', 'DATA_SAMPLERS', 'TRANSFORMS',

@@ -1,23 +1,22 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import contextlib
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper
+from mmengine.registry import FUNCTIONS
 from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .agreement import check_ranks_agree
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .clip import is_sharded
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
-from .dist import current_device, init_distributed, set_current_device
+from .dist import check_launcher, current_device, init_distributed, set_current_device
 from .ema import configures_ema
-from .lifecycle import WrapPreconditions
 from .meta_init import (
     WriteTracker,
     agree_on_unwritten,
@@ -30,14 +29,12 @@ from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
 from .optim_wrappers import is_built
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
-from .scope import without_collate_scope
-from .startup import check_launcher
 from .teardown import settle_at_exit, shutdown_at_exit
-from .together import fail_together
+from .together import check_ranks_agree, fail_together
 from .wrappers.base import Layout
 from .wrappers.builder import model_wrapper_config, resolve_wrapper
 
-__all__ = ['FSDPRunner']
+__all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions']
 
 
 @RUNNERS.register_module()
@@ -60,10 +57,10 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
       process group starts (and against the model once it is built), so a
       typo is an error everywhere, not a hang. Before the first collective
       that depends on the model, the ranks compare fingerprints of the model
-      and the plan (:mod:`mmfsdp.agreement`); rank 0's own work (plan log,
+      and the plan (:mod:`mmfsdp.together`); rank 0's own work (plan log,
       checkpoint writes) ends with every rank learning whether it failed
       (:mod:`mmfsdp.together`). Launch mistakes are refused up front too
-      (:mod:`mmfsdp.startup`): ``launcher='none'`` under torchrun, NCCL on a
+      (:mod:`mmfsdp.dist`): ``launcher='none'`` under torchrun, NCCL on a
       machine without CUDA, mmengine's FSDP wrapper by its bare name.
     - **Other packages' configs**: ``_scope_`` (inherited ``mmfsdp::`` configs)
       and ``default_scope`` pick the registry as in mmengine; mmengine's
@@ -78,7 +75,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
       the optimizer is then pointed at the wrapped parameters
       (:mod:`mmfsdp.optim`). ``val()`` and ``test()`` wrap at the same point.
       Reaching it in ``train()`` before the optimizer is built or the weights
-      are initialised is an error (:mod:`mmfsdp.lifecycle`).
+      are initialised is an error (:class:`WrapPreconditions`).
     - **Clipping**: each optim wrapper clips its own optimizer's parameters
       by their gradient norm over all shards (every rank joins, gradients or
       not), logged as ``grad_norm``.
@@ -205,7 +202,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
         Runs before the first collective that depends on the model: a rank
         whose check fails, or that built a different model or plan, makes every
-        rank raise (:mod:`mmfsdp.agreement`).
+        rank raise (:mod:`mmfsdp.together`).
         """
         with fail_together('checking model_wrapper_cfg against the model'):
             self._layout = self._wrapping.layout(model)
@@ -228,7 +225,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         return self.model
 
     def train(self) -> nn.Module:
-        """The stock ``train()``, its wrapping preconditions checked (:mod:`mmfsdp.lifecycle`)."""
+        """The stock ``train()``, checking what precedes the wrap (:class:`WrapPreconditions`)."""
         with self._preconditions.phase('train'):
             return super().train()
 
@@ -275,3 +272,75 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             if is_sharded(self.model):
                 clip_by_global_norm(self.optim_wrapper, self.model)
             bind_optim_wrappers(self.optim_wrapper, self.model)
+
+
+def without_collate_scope(dataloader: Any) -> Any:
+    """A copy of a dataloader config whose ``collate_fn`` has no ``_scope_``.
+
+    A config inheriting ``mmfsdp::`` gets ``_scope_`` in every dict with a
+    ``type``, and ``Runner.build_dataloader`` hands every key of ``collate_fn``
+    but ``type`` to the function. So the function is looked up in that scope,
+    as ``build_from_cfg`` would, and given as the ``type``.
+    """
+    if not isinstance(dataloader, Mapping):
+        return dataloader
+    collate = dataloader.get('collate_fn')
+    if not isinstance(collate, Mapping) or '_scope_' not in collate:
+        return dataloader
+    collate = dict(collate)
+    scope = collate.pop('_scope_')
+    if isinstance(collate.get('type'), str):
+        with FUNCTIONS.switch_scope_and_registry(scope) as registry:
+            function = registry.get(collate['type'])
+        if function is None:
+            raise KeyError(f"the dataloader's collate_fn.type: {collate['type']!r} is not a "
+                           f'registered function in the {scope!r} scope')
+        collate['type'] = function
+    return dict(dataloader, collate_fn=collate)
+
+
+# ---- what must have happened before train() wraps ---------------------------------------
+
+
+class LifecycleError(RuntimeError):
+    """The runner reached wrapping in an order that would train the wrong thing."""
+
+
+class WrapPreconditions:
+    """The steps of ``Runner.train()`` done so far, checked where the model is wrapped."""
+
+    def __init__(self) -> None:
+        self._phase: Optional[str] = None
+        self._weights_ready = False
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Within ``name`` (``'train'``), :meth:`check` applies."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def weights_ready(self) -> None:
+        """Record that the weights are initialised and the same on every rank."""
+        self._weights_ready = True
+
+    def check(self, optim_wrapper: object) -> None:
+        """Raise :class:`LifecycleError` if ``train()`` wraps before its preconditions hold."""
+        if self._phase != 'train':
+            return  # val() / test(): the weights come from load_from, no optimizer
+        missing: List[str] = []
+        if not is_built(optim_wrapper):
+            missing.append('the optim wrapper is not built yet (build_optim_wrapper runs '
+                           'first, on the unwrapped model)')
+        if not self._weights_ready:
+            missing.append('the weights are not initialised yet (_init_model_weights runs '
+                           'first: initialise, then broadcast rank 0\'s weights)')
+        if missing:
+            raise LifecycleError(
+                'FSDPRunner.train() reached wrapping the model (load_or_resume) too early: '
+                + '; '.join(missing) + '. FSDPRunner relies on the order of mmengine\'s '
+                'Runner.train() (0.10.x): build_optim_wrapper, before_run, '
+                '_init_model_weights, load_or_resume; a runner subclass or an mmengine '
+                'version that reorders them must keep that order')

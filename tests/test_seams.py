@@ -4,7 +4,7 @@
   FSDP2 and DDP; a config is resolved once and the model walked once per process;
 - wrapping in ``train()`` checks that the optimizer is built and the weights
   are initialised: mmengine's order works, a changed order raises
-  (:mod:`mmfsdp.lifecycle`); ``FlexibleRunner`` is refused like the stock Runner;
+  (:class:`mmfsdp.runner.WrapPreconditions`); ``FlexibleRunner`` is refused like the stock Runner;
 - ``MMFullyShard`` names everything as the unwrapped model does;
 - one optim-wrapper iterator; FSDP1 and FSDP2 cut a model into the same units.
 
@@ -27,10 +27,10 @@ from mmfsdp import (
     MMFullyShard,
     MMFullyShardedDataParallel,
 )
-from mmfsdp.lifecycle import LifecycleError, WrapPreconditions
 from mmfsdp.optim_wrappers import named_optim_wrappers
 from mmfsdp.plan import plan_for
 from mmfsdp.registry import FSDP_WRAP_POLICIES
+from mmfsdp.runner import LifecycleError, WrapPreconditions
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from mmfsdp.wrappers.base import ModelBinding, ParallelWrapper, is_parallel_wrapper
 from mmfsdp.wrappers.builder import resolve_wrapper

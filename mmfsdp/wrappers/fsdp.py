@@ -108,7 +108,7 @@ class FSDPConfig(WrapperConfig):
     #: ``'meta'``: build on the meta device, materialise on the CPU, then shard.
     init_device: Optional[str] = None
     #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
-    #: local gradients until the last (see :mod:`mmfsdp.options.accumulation`).
+    #: local gradients until the last (see :mod:`mmfsdp.options`).
     accumulation: Accumulation = Accumulation.SHARDED
 
     NAME: ClassVar[str] = NAME

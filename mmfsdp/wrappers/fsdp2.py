@@ -36,7 +36,7 @@ from ..options import (
 from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
 from ..tied import merge_units_sharing_parameters
-from ..unused_params import UsageProbe, check_same_parameters_used
+from ..together import UsageProbe, check_same_parameters_used
 from .base import (
     AccumulationNoSync,
     Construction,
@@ -87,7 +87,7 @@ class FullyShardConfig(WrapperConfig):
     find_unused_parameters: bool = False
     #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
     #: local gradients (and, with ``reshard_after_forward=False``, the gathered
-    #: parameters) until the last (see :mod:`mmfsdp.options.accumulation`).
+    #: parameters) until the last (see :mod:`mmfsdp.options`).
     accumulation: Accumulation = Accumulation.SHARDED
 
     NAME: ClassVar[str] = NAME
