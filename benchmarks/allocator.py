@@ -271,34 +271,44 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         return []
     measured = [r for r in results if r['round'] != 'floor']
     r0, m = measured[0], data['machine']
-    loads = [r['load_before'] for r in results]
-    rounds = len({r['round'] for r in measured})
+    loads = [r['load_before'] for r in results] + [r.get('load_after', 0) for r in results]
+    jobs = {n: len({r['round'] for r in measured if r['world_size'] == n})
+            for n in sorted({r['world_size'] for r in measured})}
+    launched = sorted({line for r in results if r['setting'] == DEFAULT
+                       for line in [r.get('launch_line')] if line})
+    commands = data.get('commands') or [data['command']]
     lines = [
         '## 9. CPU allocator: the saving with the documented launch', '',
-        f"`{data['command']}` ({data['date_utc']} – {data.get('date_end_utc', 'unfinished')}, "
+        ' and '.join(f'`{c}`' for c in commands)
+        + f" ({data['date_utc']} – {data.get('date_end_utc', 'unfinished')}, "
         f"commit {m['commit']}, {m['cpu']}, {m['cores']} cores). Every job is started as the "
-        'README says, `bash tools/dist_train.sh CONFIG N --work-dir DIR`, with no `MALLOC_*` / '
-        '`GLIBC_TUNABLES` variable in its environment; CONFIG inherits '
+        'README says, `bash tools/dist_train.sh CONFIG N --work-dir DIR`, with no allocator '
+        'variable of the caller (`LD_PRELOAD`, `MALLOC_*`, `GLIBC_TUNABLES`, '
+        '`MMFSDP_CPU_ALLOCATOR`) in its environment; CONFIG inherits '
         '`configs/gpt-nano_{fsdp,ddp}_2xcpu.py` and only resizes the model '
         f"({r0['model']}: 14 layers, width 768; batch {r0['batch_size']} × {r0['seq_len']} "
         'tokens per rank, AdamW), turns checkpoints and validation off, and imports a probe hook '
-        '(`benchmarks/alloc_probe.py`). The two settings: **mmfsdp default** (no key: '
-        "`env_cfg.cpu_allocator='cache'`, mmfsdp's caching CPU allocator for tensors of 64 KiB "
-        "and more) and **glibc (opt-out)** (`env_cfg.cpu_allocator='glibc'`: glibc's own "
-        'defaults, what every run got before mmfsdp set the allocator).',
-        '',
+        '(`benchmarks/alloc_probe.py`, which also reads which malloc each rank has loaded). The '
+        'settings: **launch default** (nothing set: the script preloads jemalloc where '
+        'installed, else tcmalloc'
+        + (f"; here it printed `{launched[0]}`" if len(launched) == 1 else '')
+        + '), **tcmalloc** (`MMFSDP_CPU_ALLOCATOR=tcmalloc`: tcmalloc-minimal preloaded) and '
+        "**glibc (opt-out)** (`MMFSDP_CPU_ALLOCATOR=glibc`: glibc's own defaults, nothing "
+        'preloaded).', '',
         f"Peak: the kernel's high-water mark of each rank's resident set during one training "
         f"iteration (reset at its start) minus the resident set when the config was loaded "
         f"(imports done, nothing built); the worst rank; {r0['steps']} measured iterations after "
-        f"{r0['warmup']} warm-up, in {rounds} separate job(s) per arm. That baseline leaves in "
+        f"{r0['warmup']} warm-up, in "
+        + ', '.join(f'{k} job(s) per arm at N = {n}' for n, k in jobs.items())
+        + '. That baseline leaves in '
         'what every job holds whatever its model (runner scaffolding, lazily imported modules, '
         'gloo buffers): **floor** is the same measurement with the 0.1M-parameter gpt-tiny, '
         'same launch, arm and N, and **net peak** = peak − floor, the quantity of section 2 '
         '(whose suite pays the same costs in a warm-up step before its baseline). '
         'CPU s: user + system CPU time of the rank process (all threads) per iteration.', '',
-        f'Arms ran round-robin (order reversed every round); step-time ratios are per round, '
-        f'same N and strategy. **Load**: the 1-minute load average before the jobs was '
-        f"{min(loads):.1f}–{max(loads):.1f} on {m['cores']} cores"
+        'Arms ran round-robin (order reversed every round, ABAB); step-time ratios are per '
+        'round, same N and strategy. **Load**: the 1-minute load average before and after the '
+        f"jobs was {min(loads):.1f}–{max(loads):.1f} on {m['cores']} cores"
         + (f" ({data['machine_use']})" if data.get('machine_use') else '') + '.', '']
     lines += report(data).split('\n') + ['']
     lines += _reading(data)
@@ -309,46 +319,34 @@ def _reading(data: Dict[str, Any]) -> List[str]:
     """What the tables say, in numbers taken from them."""
     rows = {(r['world_size'], r['setting']): r for r in summarize(data)}
     out = []
-    for n in sorted({n for n, _ in rows}):
-        mine, glibc_row = rows.get((n, 'mmfsdp default')), rows.get((n, GLIBC))
-        if not (mine and glibc_row and 'net_peak_ratio' in mine and 'net_peak_ratio' in glibc_row):
+    for (n, setting), row in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] == GLIBC)):
+        glibc_row = rows.get((n, GLIBC))
+        if setting == GLIBC or not (glibc_row and 'net_peak_ratio' in row
+                                    and 'net_peak_ratio' in glibc_row):
             continue
-        f_m, f_g = mine['FSDP1 FULL_SHARD'], glibc_row['FSDP1 FULL_SHARD']
-        d_m, d_g = mine['DDP'], glibc_row['DDP']
-        cpu = f_m['cpu_ratios']
+        f_m, f_g = row['FSDP1 FULL_SHARD'], glibc_row['FSDP1 FULL_SHARD']
+        d_m, d_g = row['DDP'], glibc_row['DDP']
+        times, cpu = f_m['time_ratios'], f_m['cpu_ratios']
         out.append(
-            f"- N = {n}: with glibc's defaults FSDP1 FULL_SHARD's net peak is "
-            f"{f_g['net_peak_bytes'] / MiB:,.0f} MiB against DDP's "
-            f"{d_g['net_peak_bytes'] / MiB:,.0f}"
-            f" ({glibc_row['net_peak_ratio']:.3f}×); with mmfsdp's default "
-            f"{f_m['net_peak_bytes'] / MiB:,.0f} against {d_m['net_peak_bytes'] / MiB:,.0f} "
-            f"({mine['net_peak_ratio']:.3f}×). FSDP's CPU time per step: "
-            f"{_median(f_m['step_cpu_s']):.2f} s against {_median(f_g['step_cpu_s']):.2f} s"
-            + (f' ({_median(cpu):.2f}×)' if cpu else '') + '; DDP\'s: '
-            f"{_median(d_m['step_cpu_s']):.2f} s against {_median(d_g['step_cpu_s']):.2f} s.")
-    times = {n: _median(r['FSDP1 FULL_SHARD']['time_ratios']) for (n, setting), r in rows.items()
-             if setting == 'mmfsdp default' and r.get('FSDP1 FULL_SHARD', {}).get('time_ratios')}
-    met = [n for n, t in sorted(times.items()) if t <= TIME_GOAL]
-    missed = [n for n, t in sorted(times.items()) if t > TIME_GOAL]
+            f"- N = {n}, {setting}: FSDP1 FULL_SHARD's net peak "
+            f"{f_m['net_peak_bytes'] / MiB:,.0f} MiB against DDP's "
+            f"{d_m['net_peak_bytes'] / MiB:,.0f} ({row['net_peak_ratio']:.3f}×; with glibc's "
+            f"defaults {f_g['net_peak_bytes'] / MiB:,.0f} against "
+            f"{d_g['net_peak_bytes'] / MiB:,.0f}, {glibc_row['net_peak_ratio']:.3f}×). "
+            "FSDP's step against glibc's: "
+            + (f'{_median(times):.2f}× wall' if times else '—')
+            + (f', {_median(cpu):.2f}× CPU' if cpu else '')
+            + (f" (goal ≤ {TIME_GOAL:.2f}: {'met' if _median(times) <= TIME_GOAL else 'not met'})"
+               if times else '') + '.')
     out += [
         "- Why: FSDP allocates and frees every gathered unit, unsharded gradient and "
-        'reduce-scatter buffer every step (some GiB per step at this size). glibc\'s heap reuses '
-        'freed memory without the kernel but keeps it resident and fragmented, so the peak '
-        "stays near DDP's. A block mapped on its own and unmapped when freed ('release', the "
-        'default before, and what the default falls back to where no compiler can build the '
-        'cache) keeps the peak at the live tensors but is zero-filled and page-faulted in '
-        'afresh every time. The default keeps each freed block of 64 KiB and more mapped in '
-        "mmfsdp's caching CPU allocator (`mmfsdp/cpu_cache.py`) for the next request of its "
-        'size, and maps new memory only while live + cached bytes stay within the most live at '
-        "once in this iteration or the one before: the peak of 'release', from warm pages."]
-    if met:
-        out.append(f'- Step-time goal (≤ {TIME_GOAL:.2f} × the glibc-default step time, median '
-                   f'of the per-round ratios) met at N = {", ".join(map(str, met))}.')
-    if missed:
-        out.append(
-            f'- Step-time goal not met at N = {", ".join(map(str, missed))} '
-            f'({", ".join(f"{times[n]:.2f}×" for n in missed)}).')
-    out.append('')
+        "reduce-scatter buffer every step (some GiB per step at this size). glibc's heap reuses "
+        'freed memory without the kernel but keeps it resident and fragmented (it raises its '
+        'mmap threshold to the largest block freed, up to 32 MiB, so those blocks come from the '
+        "heap too), and FSDP's peak stays near DDP's. jemalloc and tcmalloc keep freed blocks "
+        'by size and reuse them for the next request of that size, which a training loop makes '
+        'every step, and return whole free pages to the kernel (jemalloc after a decay time).',
+        '']
     return out
 
 

@@ -85,6 +85,7 @@ def tensor_steps(events: List[Tuple[int, int]], steps: List[Tuple[int, int]],
 def _count(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     """This rank's counts: tensor bytes per step, Python objects held after the last."""
     import torch.distributed as dist
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     from . import peer_arms
@@ -100,7 +101,9 @@ def _count(case: Dict[str, Any], work_dir: str) -> Dict[str, Any]:
     marks = []
     trainer = None
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # every thread: a tensor freed on a gloo or autograd thread must count as freed
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                     experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
             trainer = peer_arms.build(label, case['model'], init, os.path.join(work_dir, 'arm'))
             for batch in batches:
                 gc.collect()
