@@ -18,7 +18,9 @@ referenced by wrapped modules) are idle. :class:`mmfsdp.FSDPRunner` registers
 it at exit when it starts the process group; when the caller started it, the
 runner registers :func:`settle_gloo_workers` alone: the groups are the
 caller's to destroy, but the workers of those its wrapped model holds must be
-idle before the interpreter finalizes all the same.
+idle before the interpreter finalizes all the same. mmfsdp's wrappers call
+:func:`teardown_at_exit` when they are built, so that a model wrapped by
+mmengine's stock ``Runner`` (or by hand) is covered too.
 """
 import atexit
 import time
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from .compat import gloo_worker_threads
 
 __all__ = ['registered_at_exit', 'settle_at_exit', 'settle_gloo_workers', 'shutdown_at_exit',
-           'shutdown_distributed']
+           'shutdown_distributed', 'teardown_at_exit']
 
 #: How long a worker must stay blocked, without running, to count as idle.
 QUIET_S = 0.005
@@ -102,3 +104,17 @@ def settle_at_exit() -> None:
 def registered_at_exit() -> List[str]:
     """The names of the teardown functions this process will run at exit, in registration order."""
     return [fn.__name__ for fn in _AT_EXIT]
+
+
+def teardown_at_exit() -> None:
+    """What a wrapper calls when it is built: its gloo workers idle before the interpreter exits.
+
+    Registers :func:`settle_gloo_workers` unless a teardown is registered
+    already (``FSDPRunner``'s :func:`shutdown_distributed`, which settles too,
+    or an earlier wrapper's); idempotent. No group is destroyed: the stock
+    Runner, or the script that started the group, owns it, and may still use
+    it in its own exit handlers. Registered at exit by the wrapper, it runs
+    before any exit handler registered earlier (``atexit`` runs in reverse).
+    """
+    if not _AT_EXIT:
+        settle_at_exit()

@@ -69,3 +69,21 @@ def test_runner_in_the_callers_group_settles_its_workers_at_exit_and_leaves_the_
     for rank in run_distributed(_runner_in_a_group_the_caller_started, 2, str(tmp_path)):
         assert rank['before'] == [] and rank['after'] == ['settle_gloo_workers']
         assert rank['initialized']
+
+
+def _registrations(runner_first: bool) -> list:
+    """What this process registers at exit when wrappers are built (twice), after or without
+    FSDPRunner's own registration for a group it started."""
+    from mmfsdp.teardown import registered_at_exit, shutdown_at_exit, teardown_at_exit
+    if runner_first:
+        shutdown_at_exit()
+    teardown_at_exit()
+    teardown_at_exit()
+    return registered_at_exit()
+
+
+def test_a_wrapper_registers_one_settle_at_exit_and_keeps_the_runners_teardown():
+    """``teardown_at_exit`` (called by each wrapper when built) registers the settle once, and
+    nothing beside the ``shutdown_distributed`` that FSDPRunner registered (it settles too)."""
+    assert run_distributed(_registrations, 1, False) == [['settle_gloo_workers']]
+    assert run_distributed(_registrations, 1, True) == [['shutdown_distributed']]
