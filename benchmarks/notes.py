@@ -184,11 +184,12 @@ def method(res: Any) -> List[str]:
         'threshold up to 32 MiB after the first large free, and freed heap memory often stays '
         'resident: the peak of a step would then depend on what earlier phases '
         '(construction, the first step) left in the heap. Timing jobs use the default.'
-        ' Since then `FSDPRunner` sets the CPU allocator itself in every process that trains '
-        'on the CPU (`env_cfg.cpu_allocator`, section 9); the runner configs of these jobs pin '
-        "`'release'`, the same 1 MiB threshold plus huge pages, timing jobs included (the "
-        "default, `'cache'`, is measured in section 9); the figures of sections 1–7 were "
-        'measured before FSDPRunner set anything.',
+        ' These jobs start through torchrun, not the launch scripts, so nothing is preloaded: '
+        "they measure under glibc's malloc whatever `tools/dist_train.sh` would choose "
+        '(section 9 measures what it chooses). For a while `FSDPRunner` set the allocator '
+        "itself (`env_cfg.cpu_allocator`, since removed) and these jobs' configs pinned "
+        "`'release'`, the same 1 MiB threshold plus huge pages; the figures of sections 1–7 "
+        'were measured before FSDPRunner set anything.',
         '- **Warm-up**: before its baseline, every memory and construction job trains the '
         'tiny GPT for one step under the same wrapper, so that what does not depend on the '
         "model is already resident: modules mmengine and torch import lazily (the runner's "

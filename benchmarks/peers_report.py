@@ -217,7 +217,11 @@ def _tensor_lines(tensors: Optional[Dict[str, Any]], rows: List[Dict[str, Any]])
     lines = [f"Tensors apart from the rest: `python -m benchmarks.tensor_peaks`, run "
              f"{tensors.get('date_utc', '')} (`benchmarks/results/tensor_peaks.json`; same model, "
              'batches and initial weights, the same warm-up before the counts start), counts '
-             'every tensor of 4 KiB and more through mmfsdp\'s caching CPU allocator: the bytes '
+             'every tensor of 4 KiB and more ('
+             + ("torch's profiler: each allocation and free of torch's CPU allocator"
+                if tensors.get('counter') == 'torch.profiler' else
+                "through mmfsdp's caching CPU allocator, since removed; the script now reads "
+                "torch's profiler") + '): the bytes '
              'live between steps and the most live at once within a step, above those before the '
              'arm was built (worst rank, steps after the first), and, with `tracemalloc`, the '
              'Python objects the arm holds after its last step, by the package whose code '

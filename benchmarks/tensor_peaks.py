@@ -189,7 +189,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     given = sys.argv[1:] if argv is None else argv
     command = ' '.join(['python -m benchmarks.tensor_peaks', *given])
     with open(args.out, 'w') as f:
-        json.dump(dict(command=command, date_utc=utc_now(), machine=machine(), results=results),
+        json.dump(dict(command=command, date_utc=utc_now(), machine=machine(),
+                       counter='torch.profiler', results=results),
                   f, indent=1)
     print(report(results))
 
