@@ -1,4 +1,4 @@
-"""Saves survive crashes on disk: fsync, rename-aside, stale temporaries and orphans removed.
+"""Saves survive crashes on disk: fsync, rename-aside; a run removes only what it wrote.
 
 Single-process tests on real files; the last one trains a real 1-process
 ``FSDPRunner`` into a work dir that looks like a crashed run's.
@@ -13,6 +13,7 @@ from mmfsdp.checkpoint.durable import (
     remove_stale_temporaries,
     replace_path,
     save_atomically,
+    temporary_path,
 )
 from toy import runner_config
 
@@ -52,37 +53,66 @@ def test_directory_is_replaced_by_rename_aside_and_synced(tmp_path, monkeypatch)
     assert synced[-1] == str(tmp_path)
 
 
-def test_stale_temporaries_are_removed_and_an_orphaned_aside_restored(tmp_path):
-    (tmp_path / 'iter_1.pth.tmp').write_text('half a file')
-    (tmp_path / 'iter_3.pth.tmp').mkdir()
-    (tmp_path / 'iter_3.pth.tmp' / '__0_0.distcp').write_text('shard')
-    (tmp_path / 'iter_4.pth.old.tmp').mkdir()  # crash between the two renames: no iter_4.pth
+def test_only_the_given_runs_temporaries_are_removed_and_an_orphaned_aside_restored(tmp_path):
+    (tmp_path / 'runa-iter_1.pth.tmp').write_text('half a file')
+    (tmp_path / 'runa-iter_3.pth.tmp').mkdir()
+    (tmp_path / 'runa-iter_3.pth.tmp' / '__0_0.distcp').write_text('shard')
+    (tmp_path / 'runa-iter_4.pth.old.tmp').mkdir()  # crash between the two renames
     (tmp_path / 'iter_5.pth').mkdir()
-    (tmp_path / 'iter_5.pth.old.tmp').mkdir()  # crash before the aside was deleted
-    (tmp_path / 'keep.txt').write_text('user file')
-    removed = remove_stale_temporaries(str(tmp_path))
-    assert removed == ['iter_1.pth.tmp', 'iter_3.pth.tmp', 'iter_5.pth.old.tmp']
-    assert sorted(os.listdir(tmp_path)) == ['iter_4.pth', 'iter_5.pth', 'keep.txt']
+    (tmp_path / 'runa-iter_5.pth.old.tmp').mkdir()  # crash before the aside was deleted
+    (tmp_path / 'runb-iter_6.pth.tmp').write_text('another run, maybe still writing')
+    (tmp_path / 'iter_7.pth.tmp').write_text('written by no token')
+    (tmp_path / 'notes.tmp').write_text('user file')
+    removed = remove_stale_temporaries(str(tmp_path), ['runa'])
+    assert removed == ['runa-iter_1.pth.tmp', 'runa-iter_3.pth.tmp', 'runa-iter_5.pth.old.tmp']
+    assert sorted(os.listdir(tmp_path)) == ['iter_4.pth', 'iter_5.pth', 'iter_7.pth.tmp',
+                                            'notes.tmp', 'runb-iter_6.pth.tmp']
+    assert remove_stale_temporaries(str(tmp_path), []) == []
 
 
-def test_next_save_removes_orphaned_checkpoint_and_stale_temporaries(tmp_path):
-    """A crash after repointing ``last_checkpoint`` but before deleting the expired one."""
+def test_temporaries_carry_the_token(tmp_path):
+    assert temporary_path(str(tmp_path / 'iter_2.pth'), 'runa') == str(
+        tmp_path / 'runa-iter_2.pth.tmp')
+    assert temporary_path(str(tmp_path / 'iter_2.pth') + '/', 'runa', '.old.tmp') == str(
+        tmp_path / 'runa-iter_2.pth.old.tmp')
+
+
+def _train(work_dir, max_iters: int, resume: bool) -> None:
     from mmfsdp import FSDPRunner
+    cfg = runner_config('durable', str(work_dir), batch_size=4, max_iters=max_iters,
+                        launcher='none', wrapper=dict(type='mmfsdp.MMDistributedDataParallel'))
+    cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2,
+                                              by_epoch=False, max_keep_ckpts=1)
+    cfg['resume'] = resume
+    FSDPRunner.from_cfg(Config(cfg)).train()
 
-    def run(max_iters):
-        cfg = runner_config('durable', str(tmp_path), batch_size=4, max_iters=max_iters,
-                            launcher='none', wrapper=dict(type='mmfsdp.MMDistributedDataParallel'))
-        cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2,
-                                                  by_epoch=False, max_keep_ckpts=1)
-        cfg['resume'] = True
-        FSDPRunner.from_cfg(Config(cfg)).train()
 
-    run(4)
-    checkpoints = sorted(n for n in os.listdir(tmp_path) if n.endswith('.pth'))
-    assert checkpoints == ['iter_4.pth']
-    shutil.copy(tmp_path / 'iter_4.pth', tmp_path / 'iter_2.pth')  # the orphan
-    (tmp_path / 'iter_5.pth.tmp').write_text('half a file')  # a crashed save
-    run(6)
-    left = sorted(n for n in os.listdir(tmp_path) if n.startswith('iter_'))
-    assert left == ['iter_6.pth']
+def test_resumed_run_removes_what_the_crashed_run_left_and_nothing_else(tmp_path):
+    """A crash after repointing ``last_checkpoint`` left the expired checkpoint and a
+    half-written temporary; files of other runs and of the user stay."""
+    _train(tmp_path, 4, resume=False)
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith('.pth')) == ['iter_4.pth']
+    saved = torch.load(tmp_path / 'iter_4.pth')
+    token = saved['meta']['temporary_tokens'][0]
+    # as mmengine's hook on resume: ids beyond max_keep_ckpts are deleted, the oldest first
+    assert saved['message_hub']['runtime_info']['keep_ckpt_ids'] == [2, 4]
+    shutil.copy(tmp_path / 'iter_4.pth', tmp_path / 'iter_2.pth')  # not deleted: the crash
+    (tmp_path / f'{token}-iter_5.pth.tmp').write_text('half a file')  # a crashed save
+    foreign = ['iter_1.pth', 'iter_3.pth.tmp', 'runother-iter_5.pth.tmp', 'notes.tmp']
+    for name in foreign:  # an earlier run's checkpoint, other runs' and a user's files
+        (tmp_path / name).write_text('not written by this run')
+    _train(tmp_path, 6, resume=True)
+    left = sorted(n for n in os.listdir(tmp_path) if n.startswith('iter_') or n.endswith('.tmp'))
+    assert left == sorted(foreign + ['iter_6.pth'])
     assert open(tmp_path / 'last_checkpoint').read() == str(tmp_path / 'iter_6.pth')
+    # iter_4 was deleted after iter_6 was saved: iter_6 lists it for a crash in between
+    assert torch.load(tmp_path / 'iter_6.pth')['message_hub']['runtime_info'][
+        'keep_ckpt_ids'] == [4, 6]
+
+
+def test_a_new_run_deletes_no_earlier_checkpoint(tmp_path):
+    (tmp_path / 'iter_1.pth').write_text('an earlier run (not resumed)')
+    (tmp_path / 'iter_1.pth.tmp').write_text('its crashed save')
+    _train(tmp_path, 4, resume=False)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith('iter_')) == [
+        'iter_1.pth', 'iter_1.pth.tmp', 'iter_4.pth']

@@ -3,8 +3,10 @@
 mmengine's hook removes the oldest checkpoint (``max_keep_ckpts``) *before*
 saving the new one, so a crash during that save can leave no checkpoint at
 all. This subclass saves first, then points ``last_checkpoint`` at the new
-checkpoint (atomically), and only then removes the expired one; checkpoints that a
-crash at that point left behind are removed at the next save. Every option of
+checkpoint (atomically), and only then removes the expired one; a checkpoint
+that a crash at that point left behind is still listed in the saved
+``keep_ckpt_ids``, so the resumed run removes it as the stock hook removes any
+id beyond ``max_keep_ckpts``. Every option of
 the stock hook keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
 for ``CheckpointHook``. ``save_best`` honours ``state_dict_type`` and also
 writes the new best before deleting the old one; ``published_keys`` works on
@@ -12,9 +14,8 @@ sharded checkpoints too (:mod:`.publish`).
 """
 import logging
 import os
-import re
 import shutil
-from typing import Optional, Pattern, Tuple
+from typing import Tuple
 
 from mmengine.dist import is_main_process
 from mmengine.logging import MMLogger
@@ -53,14 +54,22 @@ class CheckpointHook(CheckpointHookSteps):
             logger.removeFilter(notices)
 
     def save_checkpoint_with_step(self, runner, step, meta) -> None:
-        """The stock bookkeeping and save, then repoint, then delete the expired checkpoint."""
+        """The stock bookkeeping and save, then repoint, then delete the expired checkpoint.
+
+        Until it is deleted, the expired checkpoint stays first in the
+        ``keep_ckpt_ids`` that the new checkpoint's message hub holds: after a
+        crash in between, the resumed run's stock ``before_train`` finds more
+        ids than ``max_keep_ckpts`` and deletes the oldest, as mmengine does.
+        Nothing that this run (or the run it resumed) did not write is deleted.
+        """
         expired = None
         if self.max_keep_ckpts > 0 and not (self.kept_steps and self.kept_steps[-1] == step):
             kept = self.kept_steps
             if len(kept) == self.max_keep_ckpts:
                 expired = kept.popleft()
             kept.append(step)
-            runner.message_hub.update_info('keep_ckpt_ids', list(kept))
+            pending = ([expired] if expired is not None else []) + list(kept)
+            runner.message_hub.update_info('keep_ckpt_ids', pending)
 
         filename = self.checkpoint_name(step)
         self.last_ckpt = self.checkpoint_path(filename)
@@ -81,7 +90,8 @@ class CheckpointHook(CheckpointHookSteps):
                 write_text_atomically(self.last_ckpt, pointer)
                 if expired is not None:
                     _remove(self.checkpoint_path(self.checkpoint_name(expired)))
-                self._remove_orphans(runner)
+        if expired is not None:
+            runner.message_hub.update_info('keep_ckpt_ids', list(self.kept_steps))
 
     def save_best_checkpoint(self, runner, metrics) -> None:
         """The stock ``save_best``, saved like every other checkpoint, new before old.
@@ -144,27 +154,6 @@ class CheckpointHook(CheckpointHookSteps):
                 runner.logger.info(f'The checkpoint ({ckpt_path}) is published to '
                                    f'{published["path"]}.')
 
-    def _remove_orphans(self, runner) -> None:
-        """Delete checkpoints older than the oldest kept one.
-
-        They are what a crash between repointing ``last_checkpoint`` and
-        deleting the expired checkpoint leaves behind: the resumed run's
-        ``keep_ckpt_ids`` no longer lists them, so nothing else would ever
-        delete them.
-        """
-        if self.max_keep_ckpts <= 0 or not self.kept_steps:
-            return
-        step = _step_pattern(self.name_template)
-        if step is None or not os.path.isdir(self.out_dir):
-            return
-        oldest = self.kept_steps[0]
-        for name in os.listdir(self.out_dir):
-            match = step.fullmatch(name)
-            if match and int(match.group(1)) < oldest:
-                runner.logger.info(f'Removing {name}: older than the {self.max_keep_ckpts} '
-                                   'checkpoints kept (max_keep_ckpts), left by an earlier run')
-                _remove(os.path.join(self.out_dir, name))
-
 
 class _DropRecords(logging.Filter):
     """Drops the log records whose message starts with one of ``prefixes``."""
@@ -175,14 +164,6 @@ class _DropRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefixes)
-
-
-def _step_pattern(filename_tmpl: str) -> Optional[Pattern]:
-    """``'iter_{}.pth'`` -> a regex whose group 1 is the step; ``None`` for other templates."""
-    parts = filename_tmpl.split('{}')
-    if len(parts) != 2:
-        return None
-    return re.compile(re.escape(parts[0]) + r'(\d+)' + re.escape(parts[1]))
 
 
 def _remove(path: str) -> None:

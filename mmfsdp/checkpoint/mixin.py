@@ -7,7 +7,7 @@ behaviour (meta, message hub, schedulers, hooks, ``CheckpointHook`` options).
 """
 import os.path as osp
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mmengine
 import torch
@@ -20,7 +20,7 @@ from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
 from ..together import control_group, fail_together
-from .durable import remove_stale_temporaries
+from .durable import new_token, remove_stale_temporaries
 from .encoding import decode, encode, unsafe_values, without_code
 from .hook import CheckpointHook
 from .integrity import find_complete_checkpoint
@@ -44,7 +44,11 @@ from .state import (
     resolve_state_dict_type,
 )
 
-__all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S']
+__all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
+
+#: ``meta`` key of a checkpoint: the tokens of the runs whose temporaries the run that
+#: wrote it removes (:mod:`.durable`); a run resuming from it takes them over.
+TOKENS_KEY = 'temporary_tokens'
 
 #: How long the other ranks wait for rank 0 to write a checkpoint, by default:
 #: generous, because it bounds only a save that is slow but alive (a rank that
@@ -59,9 +63,6 @@ def resolve_save_timeout(value: Any) -> float:
         raise TypeError(f'default_hooks.checkpoint.save_timeout: expected positive seconds, '
                         f'got {value!r}')
     return float(value)
-
-#: Checkpoint entries that hold only tensors: nothing in them to decode.
-_TENSOR_KEYS = ('state_dict', 'optimizer')
 
 
 #: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
@@ -131,8 +132,10 @@ class CheckpointMixin:
                              'paths only; remove file_client_args / backend_args')
         path = osp.join(out_dir, filename)
         optim_wrapper = self.optim_wrapper if save_optimizer else None
+        token, clean = self._temporaries()
         checkpoint: Dict[str, Any] = dict(meta=self._checkpoint_meta(meta, by_epoch),
                                           message_hub=self.message_hub.state_dict())
+        checkpoint['meta'][TOKENS_KEY] = list(clean)
         if save_param_scheduler and self.param_schedulers is not None:
             checkpoint['param_schedulers'] = self._scheduler_states()
         if kind is StateDictType.FULL:
@@ -144,8 +147,8 @@ class CheckpointMixin:
             with fail_together(f'saving checkpoint {path}', wait_s):
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                    save_atomically(self._safe_to_load(checkpoint), path)
-                    remove_stale_temporaries(out_dir)
+                    save_atomically(self._safe_to_load(checkpoint), path, token)
+                    remove_stale_temporaries(out_dir, clean)
         else:
             if optim_wrapper is not None:
                 checkpoint['optimizer_extras'] = optimizer_extras(optim_wrapper)
@@ -156,7 +159,9 @@ class CheckpointMixin:
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
                     checkpoint = self._safe_to_load(checkpoint)
-            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards)
+            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
+                         token, clean)
+        self._resumed_tokens = []  # their leftovers are gone
 
     def load_checkpoint(self,
                         filename: str,
@@ -182,18 +187,19 @@ class CheckpointMixin:
             checkpoint = read_checkpoint(filename, allow_unsafe)
             if not isinstance(checkpoint, dict):
                 raise RuntimeError(f'No state_dict found in checkpoint file {filename}')
-        checkpoint = {k: v if k in _TENSOR_KEYS else decode(v) for k, v in checkpoint.items()}
+        checkpoint = decode(checkpoint)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         own = model_shapes(self.model)
+        optim_wrapper = self._optim_wrapper_to_resume(checkpoint)
+        if getattr(self, '_resuming', False):
+            tokens = (checkpoint.get('meta') or {}).get(TOKENS_KEY) or []
+            self._resumed_tokens = [t for t in tokens if isinstance(t, str)]
         if sharded:
             match = match_keys(own, checkpoint_model_shapes(filename), revise_keys)
             self._check_match(match, filename, strict, sharded=True)
-            if getattr(self, '_resuming', False):
-                self._resume_match = match  # resume() reads model and optimizer in one pass
-            else:
-                load_sharded(filename, self.model, match=match)
-                self.call_hook('after_load_checkpoint_shards', path=filename,
-                               checkpoint=checkpoint)
+            # model and optimizer in one pass
+            load_sharded(filename, self.model, optim_wrapper, match=match, meta=checkpoint)
+            self.call_hook('after_load_checkpoint_shards', path=filename, checkpoint=checkpoint)
         else:
             state = checkpoint.get('state_dict', checkpoint)
             state = for_tta_model(state, set(own))  # mmengine loads a plain model into TTA
@@ -202,6 +208,8 @@ class CheckpointMixin:
             self._check_match(match, filename, strict, sharded=False)
             load_full_model_state(self.model, {k: state[saved] for k, saved
                                                in match.loaded.items()}, strict=False)
+            if optim_wrapper is not None:
+                load_full_optimizer_state(self.model, optim_wrapper, checkpoint['optimizer'])
         self._loaded_checkpoint = (filename, checkpoint)
         mark_checkpoint_loaded(self)
         self.logger.info(f'Load checkpoint from {filename}')
@@ -231,29 +239,38 @@ class CheckpointMixin:
                map_location: Any = 'default') -> None:
         """Mmengine's ``resume``, with the optimizer state loaded at any world size.
 
+        As the stock ``resume``, it builds the optim wrapper from its config when
+        the checkpoint holds optimizer state (a resume before ``train()``), before
+        the parameter schedulers that need it.
+
         Auto-resume (``resume=True`` without ``load_from``) skips an incomplete
         latest checkpoint for the newest complete one before it, with a warning
         (:mod:`.integrity`).
         """
         if load_from(self) is None:
             filename = self._complete_checkpoint(filename)
-        self._resuming = True
-        try:
+        self._resuming, self._resume_optimizer = True, resume_optimizer
+        try:  # load_checkpoint loads the optimizer state too
             super().resume(filename, resume_optimizer=False,
                            resume_param_scheduler=resume_param_scheduler, map_location='cpu')
         finally:
             self._resuming = False
-        path, checkpoint = self._loaded_checkpoint
-        optim_wrapper = (self.optim_wrapper if resume_optimizer
-                         and not isinstance(self.optim_wrapper, dict) else None)
-        if is_sharded_checkpoint(path):
-            if 'optimizer_param_groups' not in checkpoint:
-                optim_wrapper = None
-            load_sharded(path, self.model, optim_wrapper, match=self._resume_match,
-                         meta=checkpoint)
-            self.call_hook('after_load_checkpoint_shards', path=path, checkpoint=checkpoint)
-        elif optim_wrapper is not None and 'optimizer' in checkpoint:
-            load_full_optimizer_state(self.model, optim_wrapper, checkpoint['optimizer'])
+
+    def _optim_wrapper_to_resume(self, checkpoint: Dict[str, Any]) -> Any:
+        """The optim wrapper whose state a resume loads from ``checkpoint``, or ``None``.
+
+        As the stock ``Runner.resume``: only when resuming the optimizer and the
+        checkpoint holds its state; the optim wrapper is then built from its
+        config if it is not yet (a resume before ``train()``), and its state is
+        loaded before the parameter schedulers are built (the stock order: their
+        first step scales the resumed learning rates).
+        """
+        if not (getattr(self, '_resuming', False) and self._resume_optimizer):
+            return None
+        if 'optimizer' not in checkpoint and 'optimizer_param_groups' not in checkpoint:
+            return None
+        self.optim_wrapper = self.build_optim_wrapper(self.optim_wrapper)
+        return self.optim_wrapper
 
     def _safe_to_load(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         """``checkpoint`` encoded for ``weights_only`` loading; warn about what cannot be."""
@@ -264,6 +281,24 @@ class CheckpointMixin:
                 'torch.load(weights_only=True) refuses: this checkpoint will load only with '
                 f'`{UNSAFE_SWITCH} = True`. Store plain values or tensors there instead.')
         return checkpoint
+
+    def _temporaries(self) -> Tuple[str, List[str]]:
+        """The run's token for temporary names, and the tokens whose leftovers it removes.
+
+        The token is drawn by rank 0 at the first save and shared (every rank
+        writes into a sharded checkpoint's temporary directory). Besides its
+        own, a run removes the leftovers of the run it resumed from, whose
+        checkpoints it takes over as the stock ``CheckpointHook`` takes over
+        ``keep_ckpt_ids``; each checkpoint records them under
+        ``meta['temporary_tokens']``.
+        """
+        if getattr(self, '_temporary_token', None) is None:
+            token = [new_token()]
+            if dist.is_initialized():
+                dist.broadcast_object_list(token, src=0, group=control_group())
+            self._temporary_token = token[0]
+        resumed = [t for t in getattr(self, '_resumed_tokens', []) if t != self._temporary_token]
+        return self._temporary_token, [self._temporary_token] + resumed
 
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""

@@ -20,6 +20,7 @@ import tempfile
 from typing import Any, Dict, Sequence
 
 from .durable import replace_path, save_atomically
+from .encoding import ENCODING_KEY
 from .safe_io import load_file
 from .sharded import is_sharded_checkpoint
 
@@ -37,8 +38,12 @@ def publish(path: str, published_keys: Sequence[str]) -> Dict[str, Any]:
             checkpoint = consolidate(path, os.path.join(tmp, 'full.pth'))
     else:
         checkpoint = load_file(path)
+    record = checkpoint.pop(ENCODING_KEY, {})
     removed = [k for k in checkpoint if k not in published_keys]
     checkpoint = {k: v for k, v in checkpoint.items() if k in published_keys}
+    record = {k: v for k, v in record.items() if k in published_keys}
+    if record:  # how the published entries' numpy values come back (:mod:`.encoding`)
+        checkpoint[ENCODING_KEY] = record
     base = os.path.splitext(path.rstrip(os.sep))[0]
     tmp = f'{base}-publishing.pth'
     save_atomically(checkpoint, tmp)

@@ -2,8 +2,8 @@
 
 Reading uses ``torch.load(weights_only=True)``, which refuses any pickled
 global outside torch's allow-list before executing anything. mmfsdp's own
-files need nothing more: the message hub is stored as tensors and plain Python
-values (:mod:`.encoding`). An ordinary mmengine checkpoint pickles
+files need nothing more: the message hub and numpy values are stored as
+tensors and plain Python values (:mod:`.encoding`). An ordinary mmengine checkpoint pickles
 mmengine and numpy classes, and files in torch's legacy (non-zip) format are
 read only by the full unpickler; both load only when the user opts in with the
 config switch :data:`UNSAFE_SWITCH` (``allow_unsafe_checkpoints = True``), and
@@ -15,16 +15,14 @@ file under the final name.
 """
 import pickle
 import warnings
-from typing import IO, Any, Dict, Union
+from typing import IO, Any, Union
 
 import torch
-from mmengine.logging import MessageHub
 
 from .durable import replace_path, save_atomically
-from .encoding import decode, encode
 
-__all__ = ['UNSAFE_SWITCH', 'UnsafeCheckpointError', 'decode_message_hub', 'encode_message_hub',
-           'load_file', 'replace_path', 'save_atomically']
+__all__ = ['UNSAFE_SWITCH', 'UnsafeCheckpointError', 'load_file', 'replace_path',
+           'save_atomically']
 
 #: The top-level config key that allows loading checkpoints that need arbitrary globals.
 UNSAFE_SWITCH = 'allow_unsafe_checkpoints'
@@ -84,15 +82,3 @@ def _is_legacy_format(file: Union[str, IO[bytes]]) -> bool:
         head = file.read(4)
         file.seek(position)
     return head[:1] == b'\x80'  # pickle's PROTO opcode; zip archives start with b'PK'
-
-
-
-
-def encode_message_hub(message_hub: MessageHub) -> Dict[str, Any]:
-    """``message_hub.state_dict()`` as tensors and plain values (``weights_only``-safe)."""
-    return encode(message_hub.state_dict())
-
-
-def decode_message_hub(state: Dict[str, Any]) -> Dict[str, Any]:
-    """The inverse of :func:`encode_message_hub`; mmengine's own format passes through."""
-    return decode(state)

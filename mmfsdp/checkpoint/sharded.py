@@ -7,7 +7,7 @@ Layout of ``iter_N.pth/`` (the path a full checkpoint file would have)::
     mmengine.pth                   meta, message hub, schedulers, optimizer param groups
                                    and optim-wrapper extras (plain values, weights_only-safe)
 
-The directory is written as ``iter_N.pth.tmp/`` and renamed once every rank
+The directory is written as ``<token>-iter_N.pth.tmp/`` and renamed once every rank
 has finished, so a directory under the final name is always complete. It loads
 at any world size, and without a process group (see :mod:`mmfsdp.consolidate`).
 """
@@ -15,9 +15,10 @@ import contextlib
 import os
 import shutil
 import warnings
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mmengine.dist import is_main_process
 from torch import nn
@@ -29,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..optim_wrappers import AnyOptimWrapper, named_optim_wrappers
-from ..together import fail_together
-from .durable import TMP_SUFFIX, remove_stale_temporaries
+from ..together import control_group, fail_together
+from .durable import remove_stale_temporaries, temporary_path
 from .matching import KeyMatch, match_keys
 from .safe_io import load_file, replace_path, save_atomically
 from .state import (
@@ -41,8 +42,8 @@ from .state import (
     sharded_state,
 )
 
-__all__ = ['META_FILE', 'checkpoint_model_shapes', 'is_sharded_checkpoint', 'load_sharded',
-           'read_sharded_meta', 'save_sharded']
+__all__ = ['META_FILE', 'check_shared_directory', 'checkpoint_model_shapes',
+           'is_sharded_checkpoint', 'load_sharded', 'read_sharded_meta', 'save_sharded']
 
 #: The file of a sharded checkpoint that holds everything but the shards.
 META_FILE = 'mmengine.pth'
@@ -58,16 +59,22 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
                  extra: Dict[str, Any], wait_s: Optional[float] = None,
-                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
+                 extra_shards: Optional[Dict[str, Any]] = None, token: str = '',
+                 clean_tokens: Sequence[str] = ()) -> None:
     """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective).
 
     Rank 0's own steps (clearing a stale temporary directory, writing the meta
     file, renaming) end in :func:`~mmfsdp.together.fail_together`: if they
     fail, every rank raises. ``wait_s`` bounds how long the other ranks wait
     for rank 0's writes. ``extra_shards`` are saved beside the model and
-    optimizer shards (e.g. ``EMAHook``'s, under ``'ema'``).
+    optimizer shards (e.g. ``EMAHook``'s, under ``'ema'``). ``token`` names
+    the temporaries (:func:`~.durable.temporary_path`); after the rename,
+    those of ``clean_tokens`` are removed. The first save into a directory
+    checks that every rank sees it (:func:`check_shared_directory`).
     """
-    tmp = path + TMP_SUFFIX
+    directory = os.path.dirname(os.path.abspath(path))
+    check_shared_directory(directory, token)
+    tmp = temporary_path(path, token)
     with fail_together(f'clearing {tmp}'):
         if is_main_process() and os.path.isdir(tmp):
             shutil.rmtree(tmp)
@@ -80,8 +87,51 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
             if param_groups is not None:
                 extra = dict(extra, optimizer_param_groups=param_groups)
             save_atomically(extra, os.path.join(tmp, META_FILE))
-            replace_path(tmp, path)
-            remove_stale_temporaries(os.path.dirname(os.path.abspath(path)))
+            replace_path(tmp, path, token)
+            remove_stale_temporaries(directory, clean_tokens)
+
+
+#: Directories that every rank of this process's job was seen to share.
+_SHARED_DIRECTORIES: Set[str] = set()
+
+
+def check_shared_directory(directory: str, token: str = '') -> None:
+    """Refuse, on every rank and before anything is written, a directory the ranks do not share.
+
+    Every rank writes its shards into the same directory and rank 0 renames
+    it: on node-local disks, the other nodes' shards would stay behind under
+    the temporary name and a resume would fail later on missing files. So at
+    the first sharded save into ``directory``, rank 0 writes a marker file
+    there, every rank looks for it, and the ranks agree on what they saw
+    (one gather); rank 0 removes the marker. Collective; once per directory
+    and process.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or \
+            directory in _SHARED_DIRECTORIES:
+        return
+    marker = temporary_path(os.path.join(directory, 'shared-directory-check'), token)
+    with fail_together(f'writing {marker}'):
+        if is_main_process():
+            os.makedirs(directory, exist_ok=True)
+            with open(marker, 'w') as f:
+                f.write('written by rank 0 to check that every rank sees this directory\n')
+    seen: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (os.path.isfile(marker), directory), group=control_group())
+    with fail_together(f'removing {marker}'):
+        if is_main_process():
+            os.remove(marker)
+    blind = [rank for rank, (saw, _) in enumerate(seen) if not saw]
+    if blind:  # the same message on every rank
+        raise ValueError(
+            f"default_hooks.checkpoint: state_dict_type='sharded' writes every rank's shards "
+            f'into one directory ({seen[0][1]} on rank 0), but rank'
+            f'{"s" if len(blind) > 1 else ""} {", ".join(map(str, blind))} did not see the '
+            f'file rank 0 wrote there (in {seen[blind[0]][1]} on rank {blind[0]}): the ranks '
+            'do not share this directory (a disk local to each node?). Nothing was written. '
+            'Choose a work_dir (or the hook\'s out_dir) on a file system that every node '
+            "mounts, or state_dict_type='full' (one file, written by rank 0 alone); "
+            "state_dict_type choices: 'full', 'sharded'.")
+    _SHARED_DIRECTORIES.add(directory)
 
 
 def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:

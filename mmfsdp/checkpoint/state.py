@@ -11,8 +11,9 @@ mmengine's stock Runner saves it) is converted by matching the integer ids with
 this optimizer's parameters in order, which holds when the optimizer is built
 by the same config.
 """
+import contextlib
 import enum
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from mmengine.optim import OptimWrapper
@@ -160,8 +161,39 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> Di
 def load_full_model_state(model: nn.Module, state: Dict[str, Any],
                           strict: bool) -> Tuple[List[str], List[str]]:
     """Load an unsharded state dict; returns the missing and unexpected keys."""
-    result = set_model_state_dict(model, state, options=_options(model, full=True, strict=strict))
+    with _buffers_beside_parameters(model):
+        result = set_model_state_dict(model, state,
+                                      options=_options(model, full=True, strict=strict))
     return list(result.missing_keys), list(result.unexpected_keys)
+
+
+@contextlib.contextmanager
+def _buffers_beside_parameters(model: nn.Module) -> Iterator[None]:
+    """Within, the model's buffers are on its parameters' device (when that is one device).
+
+    FSDP1's CPU offload keeps the parameters on the CPU and the buffers (e.g.
+    BatchNorm's running statistics) on the accelerator. torch 2.13's
+    ``set_model_state_dict`` with a full state dict collects the devices of
+    the model's non-scalar parameters and persistent buffers and raises
+    "Multiple devices found" for more than one; it uses that device only to
+    hold the loaded values until ``load_state_dict`` copies them into the
+    model. So the buffers wait on the parameters' device during the load and
+    are moved back after it, holding the loaded values.
+    """
+    devices = {p.device for p in model.parameters() if p.dim() > 0 and not p.is_meta}
+    moved = []
+    if len(devices) == 1:
+        (device,) = devices
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.dim() > 0 and not buffer.is_meta and buffer.device != device:
+                    moved.append((module, name, buffer.device))
+                    setattr(module, name, buffer.to(device))
+    try:
+        yield
+    finally:
+        for module, name, original in moved:
+            setattr(module, name, getattr(module, name).to(original))
 
 
 def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
@@ -204,11 +236,12 @@ def load_full_optimizer_state(model: nn.Module, optim_wrapper: AnyOptimWrapper,
         own = state if name is None else state[name]
         optimizer_state = _named_optimizer_state(
             {k: own[k] for k in _OPTIMIZER_KEYS}, wrapper.optimizer, model)
-        if optimizer_state['state']:
+        # the hyperparameters first: DCP maps the saved groups' keys onto this optimizer's,
+        # which lack those a scheduler adds (initial_lr) when resuming before train()
+        load_param_groups(wrapper.optimizer, optimizer_state['param_groups'])
+        if optimizer_state['state']:  # else nothing to scatter; DCP would create state
             set_optimizer_state_dict(model, wrapper.optimizer, optimizer_state,
                                      options=_options(model, full=True))
-        else:  # nothing to scatter; DCP would also create state by a zero step
-            load_param_groups(wrapper.optimizer, optimizer_state['param_groups'])
         load_optimizer_extras(wrapper, {k: v for k, v in own.items()
                                         if k not in _OPTIMIZER_KEYS})
 
