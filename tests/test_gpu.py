@@ -12,7 +12,8 @@ process groups:
 - **CPU offload** (started by ``FSDPRunner``, which must ask for
   ``cpu:gloo,cuda:nccl``): FSDP2 offload with fp16 AMP and gradient clipping,
   FSDP1 ``cpu_offload`` with bf16; full checkpoints gathered to rank 0's CPU;
-  resume.
+  resume; a full ``load_from`` into a BatchNorm model under FSDP1 offload
+  (parameters on the CPU, running statistics on the GPU).
 - **Demo configs**: ``tools/train.py`` under torchrun for a few iterations.
 
 Run on a GPU machine: ``python -m pytest -m gpu -q``.
@@ -26,10 +27,11 @@ import sys
 import pytest
 import torch
 from mmengine.config import Config
+from mmengine.registry import MODELS
 from mmengine.runner import Runner
 
 from harness import DIST_CFG, run_distributed
-from toy import runner_config
+from toy import IN_DIM, ToyClassifier, runner_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [
@@ -66,6 +68,10 @@ OFFLOAD = {
     'fsdp1': (dict(type=FSDP1, auto_wrap_policy=BLOCKS, mixed_precision=BF16_FSDP1,
                    cpu_offload=True), dict(ADAMW, clip_grad=dict(max_norm=0.05))),
 }
+#: FSDP1 offload of a model with BatchNorm: parameters on the CPU, running statistics
+#: (persistent buffers) on the GPU, which torch's full-state load refuses as two devices.
+OFFLOAD_BN = dict(type=FSDP1, auto_wrap_policy=BLOCKS, cpu_offload=True)
+BN_MODEL = dict(type='ToyBatchNormClassifier')
 PER_RANK_BATCH, HALF, TOTAL = 4, 3, 6
 TYPES = ('full', 'sharded')
 #: fp32 on GPU: cuBLAS may pick other kernels for other batch shapes.
@@ -76,6 +82,18 @@ RESUME_TOL = 1e-5
 LEARN_ITERS = 30
 
 
+@MODELS.register_module()
+class ToyBatchNormClassifier(ToyClassifier):
+    """``ToyClassifier`` whose inputs pass a ``BatchNorm1d`` first."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.input_norm = torch.nn.BatchNorm1d(IN_DIM)
+
+    def forward(self, inputs, data_samples=None, mode: str = 'tensor'):
+        return super().forward(self.input_norm(inputs), data_samples, mode)
+
+
 def _history(runner, key: str) -> list:
     if not runner.message_hub.log_scalars.get(key):
         return []
@@ -83,7 +101,7 @@ def _history(runner, key: str) -> list:
 
 
 def _train(root: str, name: str, wrapper: dict, optim: dict, *, checkpoint: str = None,
-           resume_from: str = None, max_iters: int = TOTAL) -> dict:
+           resume_from: str = None, max_iters: int = TOTAL, model: dict = None) -> dict:
     """Train one toy run; rank 0 gets the full final state (on the CPU), others ``{}``."""
     from mmfsdp import FSDPRunner
     from mmfsdp.checkpoint.state import gather_full_state
@@ -95,6 +113,8 @@ def _train(root: str, name: str, wrapper: dict, optim: dict, *, checkpoint: str 
                                                   by_epoch=False, state_dict_type=checkpoint)
     if resume_from is not None:
         cfg.update(load_from=resume_from, resume=True)
+    if model is not None:
+        cfg['model'] = model
     runner = FSDPRunner.from_cfg(Config(cfg))
     runner.train()
     params = list(runner.model.parameters())
@@ -148,7 +168,25 @@ def _offload_group(root: str) -> dict:
             out.setdefault('backend', dist.get_backend())
             out[f'{name}/{kind}/resumed'] = _train(root, f'{run}-resumed', wrapper, optim,
                                                    resume_from=_ckpt(root, run))
+    _train(root, 'offload-bn', OFFLOAD_BN, ADAMW, checkpoint='full', model=BN_MODEL)
+    out['bn/loaded'] = _loaded_from(root, 'offload-bn-loaded', _ckpt(root, 'offload-bn'))
     return out
+
+
+def _loaded_from(root: str, name: str, checkpoint: str) -> dict:
+    """The full state of the BatchNorm model under FSDP1 offload right after ``load_from``."""
+    from mmfsdp import FSDPRunner
+    from mmfsdp.checkpoint.state import gather_full_state
+    cfg = runner_config(name, f'{root}/{name}', wrapper=copy.deepcopy(OFFLOAD_BN),
+                        optim_wrapper=copy.deepcopy(ADAMW), batch_size=PER_RANK_BATCH)
+    cfg.update(model=BN_MODEL, load_from=checkpoint)
+    runner = FSDPRunner.from_cfg(Config(cfg))
+    runner.load_or_resume()  # wraps the model, then loads load_from (as train() does)
+    buffers = sorted({b.device.type for b in runner.model.buffers() if b.dim() > 0})
+    state = gather_full_state(runner.model, None)[0]
+    return dict(state={k: v.detach().float().clone() for k, v in state.items()},
+                buffer_devices=buffers,
+                expected=torch.load(checkpoint)['state_dict'] if state else {})
 
 
 @pytest.fixture(scope='module')
@@ -263,6 +301,16 @@ def test_offloaded_run_resumes_exactly(offload, request, name, kind):
     diff = _max_abs_diff(resumed['state'], straight['state'])
     print(f'offload {name} {kind}: resumed vs uninterrupted {diff:.2e}')
     assert diff <= RESUME_TOL, (straight['loss'], resumed['loss'])
+
+
+def test_full_load_from_fills_an_offloaded_batchnorm_model(offload):
+    """FSDP1 cpu_offload + BatchNorm: load_from a full checkpoint loads every entry, the
+    running statistics included, and leaves the buffers on the GPU."""
+    loaded = offload[0]['bn/loaded']
+    assert 'input_norm.running_mean' in loaded['expected']
+    assert _max_abs_diff(loaded['state'], loaded['expected']) == 0
+    assert loaded['expected']['input_norm.num_batches_tracked'] == HALF
+    assert all(rank['bn/loaded']['buffer_devices'] == ['cuda'] for rank in offload)
 
 
 @pytest.mark.parametrize('config', ['gpt-nano_fsdp_2xcpu.py', 'gpt-nano_fsdp2_2xcpu.py',
