@@ -15,8 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 from harness import REPO, free_port, job_env, run_job
 
 #: The user's train script: the group first (CPU-only host), then mmengine's stock Runner.
@@ -90,7 +88,6 @@ def _jobs(tmp_path: Path, wrapper: str) -> list:
     return registered
 
 
-@pytest.mark.xfail(strict=True, reason='needs the wrapper to call teardown_at_exit')
 def test_stock_runner_job_with_mmfsdp_ddp_exits_cleanly_every_time(tmp_path):
     registered = _jobs(tmp_path, 'mmfsdp.MMDistributedDataParallel')
     assert registered == [[['settle_gloo_workers']] * 2] * RUNS

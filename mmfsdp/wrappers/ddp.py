@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..clip import clip_grads_by_global_norm
 from ..options import check_keys
 from ..registry import MODEL_WRAPPERS
+from ..teardown import teardown_at_exit
 from .base import (
     DataParallelSteps,
     Layout,
@@ -112,6 +113,7 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
                          **cfg.ddp_kwargs)
         self.detect_anomalous_params = cfg.detect_anomalous_params
         self._has_synced = False
+        teardown_at_exit()  # also when mmengine's stock Runner built us: no abort at exit
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Dict[str, torch.Tensor]:
         """One step of :class:`DataParallelSteps`, noting whether it synchronised."""

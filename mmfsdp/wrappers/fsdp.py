@@ -37,6 +37,7 @@ from ..options import (
 )
 from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
+from ..teardown import teardown_at_exit
 from .base import (
     AccumulationNoSync,
     Construction,
@@ -241,6 +242,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
         set_preprocessor_device(self.module, device)
         apply_activation_checkpointing_to(self, layout.checkpoint_layers)
         self._accumulation = cfg.accumulation
+        teardown_at_exit()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """FSDP1's forward; its backward reduces gradients unless it ran in ``no_sync``.

@@ -35,6 +35,7 @@ from ..options import (
 )
 from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
+from ..teardown import teardown_at_exit
 from ..tied import merge_units_sharing_parameters
 from ..together import UsageProbe, check_same_parameters_used
 from .base import (
@@ -286,6 +287,7 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
             materialize(module, device, self.mesh)
         self.module = module
         self._accumulation = cfg.accumulation
+        teardown_at_exit()
         # ZeRO-2 keeps parameters gathered to backward; 'unsharded' then keeps them
         # across micro-steps too.
         self._keep_gathered = (cfg.accumulation is Accumulation.UNSHARDED
