@@ -14,8 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mmfsdp.dist import init_distributed
-from mmfsdp.teardown import shutdown_distributed
+from mmfsdp.dist import init_distributed, shutdown_distributed
 
 from . import (
     accumulation,

@@ -27,8 +27,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .compat import init_without_amp_checks, set_fixed_loss_scale
 from .dist import current_device
+from .optim import ModelBinding
 from .options import check_keys, resolve_dtype
-from .protocol import ModelBinding
 from .registry import OPTIM_WRAPPERS
 
 __all__ = ['AmpOptimWrapper', 'replace_stock_amp']

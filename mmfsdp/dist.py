@@ -1,4 +1,4 @@
-"""Device and process-group start-up that works on CPU-only machines too.
+"""Starting and leaving a distributed process, on CPU-only machines too.
 
 mmengine's ``init_dist`` calls ``torch.cuda.set_device`` unconditionally and
 defaults to NCCL, so a CPU-only machine cannot start a distributed run. Here
@@ -14,20 +14,37 @@ The selection is made of pure functions (:func:`select_device`,
 checked on any machine. Launch mistakes are refused on every rank before the
 group starts (:func:`check_launcher`, :func:`check_backend`): ``launcher='none'``
 under torchrun (N jobs training alone into one ``work_dir``), NCCL without CUDA.
+
+Leaving: a finished gloo job could abort at exit (SIGABRT, "terminate called
+without an active exception"): a gloo worker releases a finished collective
+after ``wait()`` returned, and if the interpreter is finalizing by then,
+Python ends that thread mid-destructor (pytorch/pytorch#190489).
+:func:`shutdown_distributed` destroys every group and waits until the
+remaining gloo workers are idle; ``FSDPRunner`` registers it at exit when it
+started the group, and the wrappers register :func:`settle_gloo_workers`
+(:func:`teardown_at_exit`) so a model wrapped by mmengine's stock Runner or by
+hand is covered too. See ``docs/`` for the measurements.
 """
+import atexit
 import datetime
 import os
 import re
 import subprocess
+import time
 import warnings
-from typing import Any, Mapping, MutableMapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ['check_backend', 'check_launcher', 'current_device', 'default_backend',
-           'export_launcher_env', 'init_distributed', 'local_world_size', 'select_backend',
-           'select_device', 'set_current_device']
+from .compat import gloo_worker_threads
+
+__all__ = [
+    'check_backend', 'check_launcher', 'current_device', 'default_backend',
+    'export_launcher_env', 'init_distributed', 'local_world_size', 'registered_at_exit',
+    'select_backend', 'select_device', 'set_current_device', 'settle_at_exit',
+    'settle_gloo_workers', 'shutdown_at_exit', 'shutdown_distributed', 'teardown_at_exit'
+]
 
 LAUNCHERS = ('pytorch', 'slurm', 'mpi')
 
@@ -230,3 +247,91 @@ def _restart_safe_store(world_size: int,
                           timeout=timeout or datetime.timedelta(minutes=30))
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
     return dist.PrefixStore(f'mmfsdp/attempt_{attempt}', store)
+
+
+# ---- leaving: groups destroyed, gloo workers idle, then exit ------------------------------
+#: How long a worker must stay blocked, without running, to count as idle.
+QUIET_S = 0.005
+
+
+def _activity(tid: int) -> Optional[Tuple[str, int, int]]:
+    """A thread's state and context-switch counts; ``None`` once it has ended."""
+    try:
+        with open(f'/proc/self/task/{tid}/status') as f:
+            fields = dict(line.split(':', 1) for line in f if ':' in line)
+    except OSError:
+        return None
+    return (fields['State'].split()[0], int(fields['voluntary_ctxt_switches']),
+            int(fields['nonvoluntary_ctxt_switches']))
+
+
+def settle_gloo_workers(timeout: float = 5.0) -> bool:
+    """Wait until every gloo worker thread of this process is idle; whether they all are.
+
+    Idle: blocked (sleeping), and not switched in even once over
+    :data:`QUIET_S` while this thread sleeps without the GIL, so a worker
+    that still had a release to finish, and needed the CPU or the GIL for
+    it, would have run. Returns at once when no worker is left (every group
+    destroyed and unreferenced), and ``False`` when ``timeout`` passes first
+    (a collective still in flight).
+    """
+    deadline = time.monotonic() + timeout
+    before: Dict[int, Optional[Tuple[str, int, int]]] = {}
+    while True:
+        now = {tid: _activity(tid) for tid in gloo_worker_threads()}
+        now = {tid: state for tid, state in now.items() if state is not None}
+        if all(state[0] == 'S' and before.get(tid) == state for tid, state in now.items()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        before = now
+        time.sleep(QUIET_S)
+
+
+def shutdown_distributed(timeout: float = 5.0) -> bool:
+    """Destroy every process group, then :func:`settle_gloo_workers`; whether they settled.
+
+    Call it last in a process that used ``torch.distributed``: after it, no
+    collective can run. Safe to call when no group exists.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return settle_gloo_workers(timeout)
+
+
+_AT_EXIT: List[Callable[..., bool]] = []
+
+
+def _once_at_exit(fn: Callable[..., bool]) -> None:
+    if fn not in _AT_EXIT:  # one registration per process, however many runners are built
+        _AT_EXIT.append(fn)
+        atexit.register(fn)
+
+
+def shutdown_at_exit() -> None:
+    """Run :func:`shutdown_distributed` when the interpreter exits (before its finalization)."""
+    _once_at_exit(shutdown_distributed)
+
+
+def settle_at_exit() -> None:
+    """Run :func:`settle_gloo_workers` when the interpreter exits, destroying no group."""
+    _once_at_exit(settle_gloo_workers)
+
+
+def registered_at_exit() -> List[str]:
+    """The names of the teardown functions this process will run at exit, in registration order."""
+    return [fn.__name__ for fn in _AT_EXIT]
+
+
+def teardown_at_exit() -> None:
+    """What a wrapper calls when it is built: its gloo workers idle before the interpreter exits.
+
+    Registers :func:`settle_gloo_workers` unless a teardown is registered
+    already (``FSDPRunner``'s :func:`shutdown_distributed`, which settles too,
+    or an earlier wrapper's); idempotent. No group is destroyed: the stock
+    Runner, or the script that started the group, owns it, and may still use
+    it in its own exit handlers. Registered at exit by the wrapper, it runs
+    before any exit handler registered earlier (``atexit`` runs in reverse).
+    """
+    if not _AT_EXIT:
+        settle_at_exit()

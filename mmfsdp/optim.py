@@ -12,22 +12,36 @@ Clipping is the other half: mmengine clips with
 ``torch.nn.utils.clip_grad_norm_`` over the local tensors, i.e. the norm of
 this rank's shard, and a rank without local gradients skips it.
 :func:`clip_by_global_norm` makes each optim wrapper clip its own optimizer's
-parameters by their norm over all ranks (:mod:`mmfsdp.clip`).
+parameters by their norm over all ranks (:func:`clip_grads_by_global_norm`:
+FSDP1 flat shards all-reduce their local ``sum |g|^p`` over the sharding group;
+FSDP2's DTensor norm is made whole with ``full_tensor``; DDP's gradients are
+replicated). Every rank enters the collective, gradients or not.
 """
 import functools
-from typing import Any, Dict
+import math
+from typing import Any, Dict, Iterable, List, Protocol, Set, runtime_checkable
 
+import torch
+import torch.distributed as dist
 from mmengine.optim import OptimWrapper
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.tensor import DTensor
 
-from .clip import clip_grads_by_global_norm
 from .compat import norm_clip_options, replace_grad_clipping
 from .names import unwrapped_named_parameters
 from .optim_wrappers import AnyOptimWrapper, optim_wrappers
-from .protocol import ModelBinding
 
-__all__ = ['bind_optim_wrappers', 'clip_by_global_norm',
-           'retarget_parameters']
+__all__ = ['ModelBinding', 'bind_optim_wrappers', 'clip_by_global_norm',
+           'clip_grads_by_global_norm', 'global_grad_norm', 'is_sharded', 'retarget_parameters']
+
+
+@runtime_checkable
+class ModelBinding(Protocol):
+    """An optim wrapper that needs the wrapped model it steps (e.g. AMP's scaler choice)."""
+
+    def bind_model(self, model: nn.Module) -> None:
+        """Adapt to ``model``, the wrapped model; called once wrapping is done (idempotent)."""
 
 
 def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
@@ -64,7 +78,7 @@ def bind_optim_wrappers(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
 def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
     """Make each optim wrapper clip its own parameters by their norm over all ranks.
 
-    See :mod:`mmfsdp.clip`. Value clipping (``type='value'``) is elementwise
+    See :func:`clip_grads_by_global_norm`. Value clipping (``type='value'``) is elementwise
     and stays as mmengine does it.
     """
     for wrapper in optim_wrappers(optim_wrapper):
@@ -87,3 +101,70 @@ def _clip_own_parameters(wrapper: OptimWrapper, model: nn.Module,
         return
     norm = clip_grads_by_global_norm(model, params, **options)
     wrapper.message_hub.update_scalar('train/grad_norm', float(norm))
+
+
+# ---- clipping by the norm over all ranks --------------------------------------------------
+def global_grad_norm(model: nn.Module, params: Iterable[nn.Parameter],
+                     norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradients of ``params`` over all ranks.
+
+    Collective for a sharded ``model``: call it on every rank with the same
+    parameters (an optimizer's parameters are the same on every rank), whether
+    or not this rank holds gradients for them.
+    """
+    params = list(params)
+    norm_type = float(norm_type)
+    fsdp1 = FullyShardedDataParallel.fsdp_modules(model)
+    if fsdp1:
+        return _fsdp1_norm(fsdp1, params, norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_grads_by_global_norm(model: nn.Module, params: Iterable[nn.Parameter],
+                              max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``.
+
+    Returns the norm before clipping. Collective, as :func:`global_grad_norm`.
+    """
+    params = list(params)
+    norm = global_grad_norm(model, params, norm_type)
+    with_grads = [p for p in params if p.grad is not None]
+    if with_grads:
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+    return norm
+
+
+def _fsdp1_norm(fsdp_modules: List[FullyShardedDataParallel], params: List[nn.Parameter],
+                norm_type: float) -> torch.Tensor:
+    sharded: Set[int] = set()
+    for module in fsdp_modules:
+        if module.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            sharded.update(id(p) for p in module.parameters())
+    group = fsdp_modules[0].process_group
+    device = fsdp_modules[0].compute_device
+    local_sharded = _local_norm([p for p in params if id(p) in sharded], norm_type, device)
+    replicated = _local_norm([p for p in params if id(p) not in sharded], norm_type, device)
+    if math.isinf(norm_type):
+        dist.all_reduce(local_sharded, op=dist.ReduceOp.MAX, group=group)
+        return torch.maximum(local_sharded, replicated)
+    total = local_sharded.pow(norm_type)
+    dist.all_reduce(total, group=group)
+    return (total + replicated.pow(norm_type)).pow(1.0 / norm_type)
+
+
+def _local_norm(params: List[nn.Parameter], norm_type: float,
+                device: torch.device) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is sharded across ranks (FSDP1 or FSDP2)."""
+    return bool(FullyShardedDataParallel.fsdp_modules(model)) or any(
+        isinstance(p, DTensor) for p in model.parameters())

@@ -24,18 +24,43 @@ Users register their own predicate, whose extra arguments become config keys::
     @FSDP_WRAP_POLICIES.register_module()
     def big_linears(module, recurse, nonwrapped_numel, min_params=1000):
         return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
+
+Two more choices of submodules live here: FSDP2's units are merged where a
+parameter is shared by two of them (:func:`merge_units_sharing_parameters`:
+FSDP2 gives every parameter to one group; a tied embedding / LM head is the
+classic case), and ``activation_checkpointing=dict(layer_cls=[...])`` picks
+the layers whose activations are recomputed in backward (torch's
+non-reentrant checkpoint, which composes with FSDP's hooks and ``no_sync``).
 """
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, Union
+import logging
+from dataclasses import dataclass
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Type,
+    Union,
+)
 
+from mmengine.logging import print_log
 from torch import nn
 
-from .options import resolve_module_classes, suggest
+from .compat import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
+from .options import check_keys, resolve_module_classes, suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units',
-           'size_based', 'transformer']
+__all__ = ['Merge', 'ROOT', 'WrapPolicy', 'apply_activation_checkpointing_to', 'build_wrap_policy',
+           'merge_units_sharing_parameters', 'module_types', 'plan_units',
+           'resolve_activation_checkpointing', 'size_based', 'transformer']
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
@@ -188,3 +213,132 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
 
     visit(model, '', True)
     return units
+
+
+# ---- shared parameters: one FSDP2 group each ---------------------------------------------
+
+ROOT = '<root>'
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One resolution: ``dropped`` units give their parameters to ``owner``."""
+
+    #: Names under which the shared parameter is registered.
+    parameter_names: Tuple[str, ...]
+    #: The units that would have held it.
+    owners: Tuple[str, ...]
+    #: Units that are no longer sharded separately.
+    dropped: Tuple[str, ...]
+    #: The unit (or :data:`ROOT`) that holds it now.
+    owner: str
+
+
+def _within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""
+    return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
+
+
+def _owner(module_name: str, units: Set[str]) -> str:
+    """The innermost unit enclosing ``module_name``, or ``''`` for the root."""
+    parts = module_name.split('.') if module_name else []
+    for end in range(len(parts), 0, -1):
+        candidate = '.'.join(parts[:end])
+        if candidate in units:
+            return candidate
+    return ''
+
+
+def _common_ancestor(names: Iterable[str]) -> str:
+    split = [n.split('.') if n else [] for n in names]
+    common: List[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return '.'.join(common)
+
+
+def _registrations(model: nn.Module) -> Dict[int, List[Tuple[str, str]]]:
+    """``id(parameter) -> [(parameter name, module name), ...]`` over every registration."""
+    found: Dict[int, List[Tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            full = f'{module_name}.{name}' if module_name else name
+            found.setdefault(id(param), []).append((full, module_name))
+    return found
+
+
+def merge_units_sharing_parameters(model: nn.Module,
+                                   units: Sequence[str]) -> Tuple[List[str], List[Merge]]:
+    """Drop units so that every parameter belongs to exactly one unit or to the root.
+
+    Args:
+        model: The unsharded model.
+        units: Names of the planned units, children before parents
+            (:func:`mmfsdp.policies.plan_units`).
+
+    Returns:
+        The units to shard (same order, some dropped) and what was merged.
+        Each merge is logged as a warning.
+
+    """
+    kept = list(units)
+    merges: List[Merge] = []
+    registrations = [regs for regs in _registrations(model).values() if len(regs) > 1]
+    while True:
+        unit_set = set(kept)
+        conflict = None
+        for regs in registrations:
+            owners = {_owner(module_name, unit_set) for _, module_name in regs}
+            if len(owners) > 1:
+                conflict = regs, owners
+                break
+        if conflict is None:
+            return kept, merges
+        regs, owners = conflict
+        owner = _owner(_common_ancestor(owners), unit_set)
+        dropped = [u for u in kept if u != owner and _within(u, owner)
+                   and any(_within(o, u) for o in owners)]
+        kept = [u for u in kept if u not in dropped]
+        merge = Merge(parameter_names=tuple(name for name, _ in regs),
+                      owners=tuple(sorted(o or ROOT for o in owners)),
+                      dropped=tuple(dropped), owner=owner or ROOT)
+        merges.append(merge)
+        print_log(f'FSDP2 unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
+                  f'{", ".join(merge.owners)}; FSDP2 allows one group per parameter, so '
+                  f'{", ".join(merge.dropped)} will not be sharded as separate units and '
+                  f'their parameters join {merge.owner}', logger='current',
+                  level=logging.WARNING)
+
+
+# ---- activation checkpointing by layer class ---------------------------------------------
+KEY = 'model_wrapper_cfg.activation_checkpointing'
+
+
+def resolve_activation_checkpointing(cfg: Optional[Mapping[str, Any]],
+                                     model: nn.Module) -> Tuple[Type[nn.Module], ...]:
+    """Resolve ``activation_checkpointing=dict(layer_cls=[...])`` against ``model``.
+
+    Returns the layer classes to checkpoint; empty for ``None`` (off).
+    """
+    if cfg is None:
+        return ()
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f'{KEY}: expected None or dict(layer_cls=[...]), got '
+                        f'{type(cfg).__name__} {cfg!r}')
+    check_keys(cfg, ('layer_cls', ), KEY)
+    if 'layer_cls' not in cfg:
+        raise TypeError(f"{KEY}: missing 'layer_cls', the layer classes to checkpoint")
+    return resolve_module_classes(cfg['layer_cls'], model, f'{KEY}.layer_cls')
+
+
+def apply_activation_checkpointing_to(model: nn.Module,
+                                      layer_cls: Tuple[Type[nn.Module], ...]) -> None:
+    """Wrap every ``layer_cls`` instance in ``model`` in a non-reentrant checkpoint."""
+    if layer_cls:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, layer_cls))

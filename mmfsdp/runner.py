@@ -12,10 +12,17 @@ from torch.utils.data import DataLoader
 from .amp import replace_stock_amp
 from .checkpoint import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
-from .clip import is_sharded
+from .checkpoint.state import load_full_optimizer_state
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
-from .dist import check_launcher, current_device, init_distributed, set_current_device
+from .dist import (
+    check_launcher,
+    current_device,
+    init_distributed,
+    set_current_device,
+    settle_at_exit,
+    shutdown_at_exit,
+)
 from .ema import configures_ema
 from .meta_init import (
     WriteTracker,
@@ -25,11 +32,15 @@ from .meta_init import (
     defer_check,
     unwritten,
 )
-from .optim import bind_optim_wrappers, clip_by_global_norm, retarget_parameters
-from .optim_wrappers import is_built
+from .optim import (
+    bind_optim_wrappers,
+    clip_by_global_norm,
+    is_sharded,
+    retarget_parameters,
+)
+from .optim_wrappers import is_built, named_optim_wrappers
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
-from .teardown import settle_at_exit, shutdown_at_exit
 from .together import check_ranks_agree, fail_together
 from .wrappers.base import Layout
 from .wrappers.builder import model_wrapper_config, resolve_wrapper
@@ -49,7 +60,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
       ``env_cfg.dist_cfg.backend`` names one; mmengine's ``init_dist`` would
       call ``torch.cuda.set_device`` and fail on a CPU-only machine. A
       process whose group the runner started leaves through
-      :mod:`mmfsdp.teardown` (groups destroyed, gloo's workers idle), so a
+      :mod:`mmfsdp.dist` (groups destroyed, gloo's workers idle), so a
       finished job does not abort in the interpreter's teardown; where the
       caller started the group, the runner only waits for the workers to be
       idle at exit and leaves the groups to the caller.
@@ -217,12 +228,27 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         names = {id(p): n for n, p in model.named_parameters()}
         if self.cfg.get('sync_bn') is not None:
             model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
+        resumed = self._take_optimizer_state()
         self.model = self._wrapping.build(model, self._layout, current_device(),
                                           sync_module_states=self._staged)
         if is_built(self.optim_wrapper):
             retarget_parameters(self.optim_wrapper, names, self.model)
+        if resumed is not None:  # resume() ran before train(): the state follows the shards
+            load_full_optimizer_state(self.model, self.optim_wrapper, resumed)
         self._bind_optim_wrapper()
         return self.model
+
+    def _take_optimizer_state(self) -> Optional[Any]:
+        """The full optimizer state loaded into the unwrapped model, removed from it; or None."""
+        if not is_built(self.optim_wrapper):
+            return None
+        named = list(named_optim_wrappers(self.optim_wrapper))
+        if not any(wrapper.optimizer.state for _, wrapper in named):
+            return None
+        state = {name: wrapper.state_dict() for name, wrapper in named}
+        for _, wrapper in named:
+            wrapper.optimizer.state.clear()
+        return state[None] if None in state else state
 
     def train(self) -> nn.Module:
         """The stock ``train()``, checking what precedes the wrap (:class:`WrapPreconditions`)."""

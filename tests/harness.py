@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from benchmarks.job import Job
-from mmfsdp.teardown import shutdown_distributed
+from mmfsdp.dist import shutdown_distributed
 
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO',
            'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
@@ -66,7 +66,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
             f.write(traceback.format_exc())
         raise
     finally:
-        shutdown_distributed()  # as FSDPRunner does at exit (mmfsdp/teardown.py)
+        shutdown_distributed()  # as FSDPRunner does at exit (mmfsdp/dist.py)
     torch.save(result, os.path.join(out_dir, f'{rank}.pt'))
 
 

@@ -26,8 +26,7 @@ from mmfsdp.options import (
     resolve_reshard_after_forward,
     translate_sharding_strategy,
 )
-from mmfsdp.policies import build_wrap_policy, plan_units
-from mmfsdp.tied import ROOT, merge_units_sharing_parameters
+from mmfsdp.policies import ROOT, build_wrap_policy, merge_units_sharing_parameters, plan_units
 from mmfsdp.wrappers import FullyShardConfig
 from toy import ToyClassifier
 

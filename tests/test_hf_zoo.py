@@ -107,7 +107,7 @@ class HFZooData(Dataset):
 
 #: model -> (its dataset kind, its transformer layer, its embedding layer). FSDP2 units
 #: include the embeddings, so GPT-2's tied wte / lm_head take the merge of units sharing
-#: a parameter (mmfsdp.tied).
+#: a parameter (mmfsdp.policies.merge_units_sharing_parameters).
 MODELS_UNDER_TEST = {'HFViT': ('image', 'ViTLayer', 'ViTEmbeddings'),
                      'HFGPT2': ('tokens', 'GPT2Block', 'Embedding')}
 

@@ -18,12 +18,14 @@ arrays and an AMP loss scaler saves both types; each file loads with plain
 import functools
 import os
 import warnings
+from typing import Optional
 
 import numpy as np
 import pytest
 import torch
 from mmengine.hooks import Hook
 from mmengine.registry import DATASETS, HOOKS, PARAM_SCHEDULERS
+from mmengine.runner import Runner
 
 from harness import max_abs_diff, run_distributed
 from mmfsdp import FSDPRunner
@@ -68,10 +70,13 @@ _config = functools.partial(checkpointing_config, global_batch=GLOBAL_BATCH, max
                             interval=HALF)
 
 
-def _train(work_dir: str, wrapper, world_size: int, optim_wrapper: dict, **kwargs) -> dict:
+def _train(work_dir: str, wrapper, world_size: int, optim_wrapper: dict,
+           resume_before_train: Optional[str] = None, **kwargs) -> dict:
     from mmfsdp.checkpoint.state import gather_full_state
     runner = FSDPRunner.from_cfg(_config(work_dir, wrapper, world_size, optim_wrapper,
                                          **kwargs))
+    if resume_before_train is not None:  # as mmengine's own tests call Runner.resume
+        runner.resume(resume_before_train)
     runner.train()
     model, optimizer = gather_full_state(runner.model, runner.optim_wrapper)
     return dict(model={k: v.clone() for k, v in model.items()}, optimizer=optimizer['state'],
@@ -98,6 +103,9 @@ def _two_ranks(root: str) -> dict:
             out[f'{run}/resumed-{at}'] = _train(
                 f'{root}/{run}-resumed-{at}', FSDP2, 2, ADAMW, param_scheduler=ONE_CYCLE,
                 resume_from=f'{root}/{run}/iter_{at}.pth')
+        out[f'{run}/resume-called'] = _train(
+            f'{root}/{run}-resume-called', FSDP2, 2, ADAMW, param_scheduler=ONE_CYCLE,
+            resume_before_train=f'{root}/{run}/iter_{HALF}.pth')
     for kind in TYPES:
         out[f'best/{kind}'] = _save_best(f'{root}/best-{kind}', kind)
     return out if torch.distributed.get_rank() == 0 else None
@@ -125,7 +133,7 @@ def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp('resume-cases'))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        return run_distributed(_two_ranks, 2, root, timeout=600)[0]
+        return dict(run_distributed(_two_ranks, 2, root, timeout=600)[0], root=root)
 
 
 def _assert_equal_training(got: dict, expected: dict) -> None:
@@ -155,6 +163,30 @@ def test_save_before_first_step_does_not_change_training(runs, kind):
 def test_paramwise_one_cycle_adamw_resumes_exactly(runs, kind, at):
     assert 'base_lr' in runs['adamw/plain']['lr']
     _assert_equal_training(runs[f'adamw/{kind}/resumed-{at}'], runs['adamw/plain'])
+
+
+def test_resume_called_before_train_trains_as_the_stock_runner(runs, tmp_path):
+    """``runner.resume(path)`` then ``train()``, as mmengine's own tests call it.
+
+    On 2 ranks (FSDP2) the resumed optimizer state follows the parameters into
+    their shards. The stock Runner, on one process, is the reference: its
+    ``train()`` initialises the weights again after ``resume()`` (``init_weights``
+    had not run yet) and keeps the resumed optimizer state and iteration.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        runner = Runner.from_cfg(_config(str(tmp_path / 'stock'), None, 1, ADAMW,
+                                         param_scheduler=ONE_CYCLE, default_hooks=dict(
+                                             logger=dict(type='LoggerHook', interval=1))))
+        runner.resume(f"{runs['root']}/adamw/full/iter_{HALF}.pth")
+        runner.train()
+    expected = runner.optim_wrapper.optimizer.state_dict()['state']
+    for kind in TYPES:
+        got = runs[f'adamw/{kind}/resume-called']
+        assert got['iter'] == runner.iter == TOTAL and got['lr'] == runner.optim_wrapper.get_lr()
+        assert sorted(int(s['step']) for s in got['optimizer'].values()) == sorted(
+            int(s['step']) for s in expected.values()) == [TOTAL] * len(expected)
+        assert max_abs_diff(got['model'], runner.model.state_dict()) <= 2e-5
 
 
 @pytest.mark.parametrize('kind', TYPES)

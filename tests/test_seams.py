@@ -27,12 +27,13 @@ from mmfsdp import (
     MMFullyShard,
     MMFullyShardedDataParallel,
 )
+from mmfsdp.optim import ModelBinding
 from mmfsdp.optim_wrappers import named_optim_wrappers
 from mmfsdp.plan import plan_for
 from mmfsdp.registry import FSDP_WRAP_POLICIES
 from mmfsdp.runner import LifecycleError, WrapPreconditions
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
-from mmfsdp.wrappers.base import ModelBinding, ParallelWrapper, is_parallel_wrapper
+from mmfsdp.wrappers.base import ParallelWrapper, is_parallel_wrapper
 from mmfsdp.wrappers.builder import resolve_wrapper
 from toy import ToyBlock, ToyClassifier, runner_config
 

@@ -1,4 +1,4 @@
-"""Leaving a distributed process (mmfsdp/teardown.py): groups destroyed, gloo's workers idle.
+"""Leaving a distributed process (mmfsdp/dist.py): groups destroyed, gloo's workers idle.
 
 The abort this prevents is a race at interpreter exit (a gloo worker releasing
 a finished collective while the interpreter finalizes); its rate before and
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from harness import COLLECTIVE_TIMEOUT_S, run_distributed
 from mmfsdp.compat import gloo_worker_threads
-from mmfsdp.teardown import settle_gloo_workers, shutdown_distributed
+from mmfsdp.dist import settle_gloo_workers, shutdown_distributed
 
 
 def _init() -> None:
@@ -55,7 +55,7 @@ def test_settling_without_gloo_workers_returns_at_once():
 
 def _runner_in_a_group_the_caller_started(work_dir):
     from mmfsdp import FSDPRunner
-    from mmfsdp.teardown import registered_at_exit
+    from mmfsdp.dist import registered_at_exit
     from toy import runner_config
     _init()  # the caller's group, as in a script or a notebook
     before = registered_at_exit()
@@ -74,7 +74,7 @@ def test_runner_in_the_callers_group_settles_its_workers_at_exit_and_leaves_the_
 def _registrations(runner_first: bool) -> list:
     """What this process registers at exit when wrappers are built (twice), after or without
     FSDPRunner's own registration for a group it started."""
-    from mmfsdp.teardown import registered_at_exit, shutdown_at_exit, teardown_at_exit
+    from mmfsdp.dist import registered_at_exit, shutdown_at_exit, teardown_at_exit
     if runner_first:
         shutdown_at_exit()
     teardown_at_exit()

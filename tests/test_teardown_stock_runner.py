@@ -1,9 +1,9 @@
 """mmfsdp's DDP wrapper under mmengine's *stock* Runner: finished 2-rank jobs exit cleanly.
 
 A finished job must not abort at exit (SIGABRT, "terminate called without an
-active exception", see :mod:`mmfsdp.teardown`). ``FSDPRunner`` registers the
+active exception", see :mod:`mmfsdp.dist`). ``FSDPRunner`` registers the
 teardown itself; under the stock ``Runner`` only the wrapper can, by calling
-:func:`mmfsdp.teardown.teardown_at_exit` when it is built. The abort is a race
+:func:`mmfsdp.dist.teardown_at_exit` when it is built. The abort is a race
 (2 of 3 runs in the report, none in 20 runs measured here on a quiet machine),
 so each job also records what its ranks will run at exit, which is certain.
 
@@ -38,7 +38,7 @@ import os
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, MODEL_WRAPPERS
 from mmfsdp import MMDistributedDataParallel
-from mmfsdp.teardown import registered_at_exit, teardown_at_exit
+from mmfsdp.dist import registered_at_exit, teardown_at_exit
 
 
 @HOOKS.register_module()

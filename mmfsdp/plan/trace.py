@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from ..activation_checkpointing import apply_activation_checkpointing_to
 from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
+from ..policies import apply_activation_checkpointing_to
 
 __all__ = ['StepTrace', 'trace_step']
 

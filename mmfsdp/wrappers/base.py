@@ -27,12 +27,10 @@ from typing import (
     List,
     Mapping,
     Optional,
-    Protocol,
     Set,
     Tuple,
     Type,
     Union,
-    runtime_checkable,
 )
 
 import torch
@@ -42,13 +40,18 @@ from mmengine.optim import OptimWrapper
 from mmengine.runner import FlexibleRunner, Runner
 from torch import nn
 
-from ..activation_checkpointing import resolve_activation_checkpointing
 from ..compat import DCPNameHook, call_stack
 from ..dist import current_device
 from ..options import Accumulation, check_keys
-from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
+from ..policies import (
+    PolicyConfig,
+    WrapPolicy,
+    build_wrap_policy,
+    plan_units,
+    resolve_activation_checkpointing,
+)
 
-__all__ = ['Construction', 'DataParallelSteps', 'Layout', 'ModelBinding', 'ModelHolder',
+__all__ = ['Construction', 'DataParallelSteps', 'Layout', 'ModelHolder',
            'Padding', 'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig',
            'is_parallel_wrapper', 'own_steps', 'reject_stock_runner', 'separate_roots']
 
@@ -324,14 +327,6 @@ class ParallelWrapper(abc.ABC):
 def is_parallel_wrapper(wrapper_cls: Any) -> bool:
     """Whether ``wrapper_cls`` (a class) implements :class:`ParallelWrapper`."""
     return isinstance(wrapper_cls, type) and issubclass(wrapper_cls, ParallelWrapper)
-
-
-@runtime_checkable
-class ModelBinding(Protocol):
-    """An optim wrapper that needs the wrapped model it steps (e.g. AMP's scaler choice)."""
-
-    def bind_model(self, model: nn.Module) -> None:
-        """Adapt to ``model``, the wrapped model; called once wrapping is done (idempotent)."""
 
 
 class DataParallelSteps:

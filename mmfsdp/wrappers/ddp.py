@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..clip import clip_grads_by_global_norm
+from ..dist import teardown_at_exit
+from ..optim import clip_grads_by_global_norm
 from ..options import check_keys
 from ..registry import MODEL_WRAPPERS
-from ..teardown import teardown_at_exit
 from .base import (
     DataParallelSteps,
     Layout,

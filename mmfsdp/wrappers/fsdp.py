@@ -20,11 +20,10 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from ..activation_checkpointing import apply_activation_checkpointing_to
-from ..clip import clip_grads_by_global_norm
 from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync
-from ..dist import current_device, local_world_size
+from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
+from ..optim import clip_grads_by_global_norm
 from ..options import (
     Accumulation,
     resolve_accumulation,
@@ -35,9 +34,8 @@ from ..options import (
     resolve_mixed_precision,
     resolve_sharding_strategy,
 )
-from ..policies import PolicyConfig
+from ..policies import PolicyConfig, apply_activation_checkpointing_to
 from ..registry import MODEL_WRAPPERS
-from ..teardown import teardown_at_exit
 from .base import (
     AccumulationNoSync,
     Construction,

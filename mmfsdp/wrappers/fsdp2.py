@@ -14,11 +14,10 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ..activation_checkpointing import apply_activation_checkpointing_to
-from ..clip import clip_grads_by_global_norm
 from ..compat import checkpoint_inner
-from ..dist import current_device, local_world_size
+from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize
+from ..optim import clip_grads_by_global_norm
 from ..options import (
     NODE,
     Accumulation,
@@ -33,10 +32,12 @@ from ..options import (
     resolve_reshard_after_forward,
     translate_sharding_strategy,
 )
-from ..policies import PolicyConfig
+from ..policies import (
+    PolicyConfig,
+    apply_activation_checkpointing_to,
+    merge_units_sharing_parameters,
+)
 from ..registry import MODEL_WRAPPERS
-from ..teardown import teardown_at_exit
-from ..tied import merge_units_sharing_parameters
 from ..together import UsageProbe, check_same_parameters_used
 from .base import (
     AccumulationNoSync,
