@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import __version__
+from .compat import VERSION
 
 if TYPE_CHECKING:
     from .wrappers.base import Layout
@@ -161,7 +161,7 @@ def fingerprint(model: nn.Module, wrapping: 'Wrapping', layout: Optional['Layout
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
     spec = wrapping.sharding_spec(layout, world_size) if layout is not None else None
     return {
-        'versions': [f'mmfsdp {__version__}', f'torch {torch.__version__}',
+        'versions': [f'mmfsdp {VERSION}', f'torch {torch.__version__}',
                      f'mmengine {mmengine.__version__}',
                      f'python {sys.version_info.major}.{sys.version_info.minor}'],
         'parameters': [f'{name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}'

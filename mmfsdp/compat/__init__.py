@@ -18,7 +18,13 @@ first, on import, before anything reaches the newer APIs.
   (``_modules``, ``_parameters``, ``_buffers``), ``TorchDispatchMode`` and
   operator schemas, storage identity on the meta device.
 """
-from .version import MIN_TORCH, check_installed_torch, check_torch_version, parse_version
+from .version import (
+    MIN_TORCH,
+    VERSION,
+    check_installed_torch,
+    check_torch_version,
+    parse_version,
+)
 
 check_installed_torch()
 
@@ -27,5 +33,5 @@ from .mmengine_private import __all__ as _mmengine_names  # noqa: E402
 from .torch_private import *  # noqa: E402,F401,F403
 from .torch_private import __all__ as _torch_names  # noqa: E402
 
-__all__ = ['MIN_TORCH', 'check_installed_torch', 'check_torch_version', 'parse_version',
+__all__ = ['MIN_TORCH', 'VERSION', 'check_installed_torch', 'check_torch_version', 'parse_version',
            *_mmengine_names, *_torch_names]

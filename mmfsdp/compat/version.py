@@ -1,4 +1,4 @@
-"""The torch versions mmfsdp runs on, checked when the package is imported.
+"""mmfsdp's release, and the torch versions it runs on, checked when the package is imported.
 
 The floor is set by the newest torch API in use: FSDP2's
 ``fully_shard(reshard_after_forward=None)`` on the root (torch 2.8), DCP's
@@ -10,7 +10,10 @@ the first training step.
 import re
 from typing import Tuple
 
-__all__ = ['MIN_TORCH', 'check_installed_torch', 'check_torch_version', 'parse_version']
+__all__ = ['MIN_TORCH', 'VERSION', 'check_installed_torch', 'check_torch_version', 'parse_version']
+
+#: mmfsdp's release (also in setup.py).
+VERSION = '0.1.0'
 
 #: The oldest torch release mmfsdp supports (also in requirements.txt and the README).
 MIN_TORCH: Tuple[int, int] = (2, 8)
