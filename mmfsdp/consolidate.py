@@ -17,8 +17,9 @@ from typing import Any, Dict, Optional, Sequence
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .checkpoint.safe_io import load_file, save_atomically
-from .checkpoint.sharded import is_sharded_checkpoint, read_sharded_meta
+from .checkpoint.durable import save_atomically
+from .checkpoint.safe_io import load_file
+from .checkpoint.state import is_sharded_checkpoint, read_sharded_meta
 from .ema import EMA_SHARDS_KEY, full_ema_entries
 
 __all__ = ['consolidate', 'main']

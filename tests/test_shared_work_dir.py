@@ -17,7 +17,7 @@ from harness import COLLECTIVE_TIMEOUT_S, raised, run_distributed
 def _saves(root: str) -> dict:
     import datetime
 
-    from mmfsdp.checkpoint.sharded import is_sharded_checkpoint, save_sharded
+    from mmfsdp.checkpoint.state import is_sharded_checkpoint, save_sharded
     dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     rank = dist.get_rank()
     model = torch.nn.Linear(4, 2)

@@ -1,39 +1,26 @@
-"""Writes that survive a crash or a power cut: temporary name, ``fsync``, rename, ``fsync``.
+"""Durable writing: crash-safe saves, clean-up of this run's leftovers, completeness checks.
 
-A rename is atomic, but not durable by itself: without ``fsync`` of the file
-before it, a power cut can leave the final name pointing at an empty or
-partial file; without ``fsync`` of the directory after it, the rename itself
-can be lost. So every write here goes:
-
-1. write ``NAME.tmp`` (a file, or a directory of shards);
-2. ``fsync`` it (every file and directory in it);
-3. rename it onto ``NAME``; a directory already at ``NAME`` is first renamed
-   aside to ``NAME.old.tmp`` (two renames: never a moment with half a directory);
-4. ``fsync`` the parent directory; only then is ``NAME.old.tmp`` removed.
-
-A crash leaves at most temporaries behind, never a partial ``NAME``.
-
-Temporaries carry the writing run's token (:func:`temporary_path`:
-``<token>-NAME.tmp``), so a run tells its own leftovers from anything else in
-the directory: :func:`remove_stale_temporaries` deletes only the temporaries
-of the tokens it is given (this run's, and those of the run it resumed from),
-after the next successful save, and renames back a ``<token>-NAME.old.tmp``
-left without its ``NAME``. Another run's temporaries, in flight or crashed,
-and a user's ``*.tmp`` files are never touched.
+Every write goes to ``<token>-NAME.tmp``, is ``fsync``-ed, renamed onto
+``NAME`` (a directory there is first renamed aside), and the parent directory
+is ``fsync``-ed: a crash leaves at most temporaries, never a partial ``NAME``.
+The token names one run's temporaries, so clean-up deletes only what this run
+(or the run it resumed) wrote. See ``docs/checkpoints.md``.
 """
 import os
+import re
 import shutil
 import uuid
-from typing import Any, Iterable, List
+import zipfile
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
-__all__ = ['TMP_SUFFIX', 'fsync_path', 'new_token', 'remove_stale_temporaries', 'replace_path',
-           'save_atomically', 'temporary_path', 'write_text_atomically']
+__all__ = ['find_complete_checkpoint', 'new_token', 'remove_stale_temporaries',
+           'replace_path', 'save_atomically', 'temporary_path', 'write_text_atomically']
 
-#: The suffix of a checkpoint (file or directory) being written.
 TMP_SUFFIX = '.tmp'
-#: The suffix of a directory checkpoint being replaced (a ``.tmp`` too, for the clean-up).
+#: A directory checkpoint being replaced (a ``.tmp`` too, for the clean-up).
 OLD_SUFFIX = '.old' + TMP_SUFFIX
 
 
@@ -43,16 +30,12 @@ def new_token() -> str:
 
 
 def temporary_path(path: str, token: str = '', suffix: str = TMP_SUFFIX) -> str:
-    """Where ``path`` is written before its rename: ``<token>-NAME.tmp`` beside it.
-
-    Without a token, ``NAME.tmp`` (what no clean-up ever deletes).
-    """
+    """``<token>-NAME.tmp`` beside ``path``; without a token ``NAME.tmp`` (never cleaned up)."""
     head, name = os.path.split(path.rstrip(os.sep))
     return os.path.join(head, f'{token}-{name}{suffix}' if token else f'{name}{suffix}')
 
 
-def fsync_path(path: str) -> None:
-    """Flush a file, or a directory entry list, to the disk."""
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -62,12 +45,12 @@ def fsync_path(path: str) -> None:
 
 def _fsync_tree(path: str) -> None:
     if not os.path.isdir(path):
-        fsync_path(path)
+        _fsync(path)
         return
     for root, _, files in os.walk(path):
         for name in files:
-            fsync_path(os.path.join(root, name))
-        fsync_path(root)
+            _fsync(os.path.join(root, name))
+        _fsync(root)
 
 
 def _parent(path: str) -> str:
@@ -77,8 +60,8 @@ def _parent(path: str) -> str:
 def replace_path(src: str, dst: str, token: str = '') -> None:
     """Durably rename ``src`` (file or directory) onto ``dst``, replacing it.
 
-    A directory at ``dst`` is first renamed aside to :func:`temporary_path`
-    ``(dst, token, '.old.tmp')``.
+    A directory at ``dst`` is first renamed aside to ``<token>-NAME.old.tmp``:
+    two renames, so there is never a moment with half a directory.
     """
     _fsync_tree(src)
     if os.path.isdir(dst) and not os.path.islink(dst):
@@ -87,11 +70,11 @@ def replace_path(src: str, dst: str, token: str = '') -> None:
             shutil.rmtree(aside)
         os.replace(dst, aside)
         os.replace(src, dst)
-        fsync_path(_parent(dst))
+        _fsync(_parent(dst))
         shutil.rmtree(aside)
     else:
         os.replace(src, dst)
-    fsync_path(_parent(dst))
+    _fsync(_parent(dst))
 
 
 def save_atomically(obj: Any, path: str, token: str = '') -> None:
@@ -111,13 +94,11 @@ def write_text_atomically(text: str, path: str) -> None:
 
 
 def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]:
-    """Delete what crashed writes of the runs ``tokens`` left in ``directory``; return the names.
+    """Delete the ``<token>-*.tmp`` entries of ``tokens`` in ``directory``; return their names.
 
-    Only ``<token>-*.tmp`` entries of these tokens are looked at: they are
-    removed, except that a ``<token>-NAME.old.tmp`` whose ``NAME`` does not
-    exist is renamed back to ``NAME`` (a crash between the two renames of
-    :func:`replace_path`). Call it only after a save has completed, when none
-    of these runs has a write in flight in ``directory``.
+    A ``<token>-NAME.old.tmp`` whose ``NAME`` is gone (a crash between the two
+    renames of :func:`replace_path`) is renamed back instead. Call it only
+    after a completed save, when none of these runs is writing there.
     """
     prefixes = tuple(f'{token}-' for token in tokens if token)
     removed: List[str] = []
@@ -138,5 +119,69 @@ def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]
             os.remove(path)
         removed.append(name)
     if removed:
-        fsync_path(directory)
+        _fsync(directory)
     return removed
+
+
+def _incomplete_reason(path: str, meta_file: str) -> Optional[str]:
+    """Why the file or sharded directory ``path`` is incomplete (read from metadata), or None."""
+    if not os.path.isdir(path):
+        return 'it does not exist' if not os.path.isfile(path) else _zip_reason(path)
+    if not os.path.isfile(os.path.join(path, meta_file)):
+        return f'its {meta_file} is missing'
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata makes it incomplete
+        return f'its .metadata cannot be read ({type(e).__name__}: {e})'
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f'its shard file {name} is missing'
+        if os.path.getsize(file) < size:
+            return f'its shard file {name} is truncated ({os.path.getsize(file)} < {size} bytes)'
+    return _zip_reason(os.path.join(path, meta_file))
+
+
+def _zip_reason(path: str) -> Optional[str]:
+    # torch.save writes a zip archive whose directory is at its end: a cut file has none
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as e:
+        return f'it is truncated or not a torch.save archive ({e})'
+    return None
+
+
+def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], None]) -> str:
+    """``path`` if complete, else the newest complete earlier checkpoint beside it (a warning).
+
+    Earlier means the same name with a smaller number (``iter_6.pth`` ->
+    ``iter_4.pth``). Raises ``FileNotFoundError`` naming ``path`` and its
+    defect when there is none.
+    """
+    reason = _incomplete_reason(path, meta_file)
+    if reason is None:
+        return path
+    directory, name = os.path.split(path)
+    match = re.fullmatch(r'(.*?)(\d+)(\D*)', name)
+    candidates: list = []
+    if match is not None and os.path.isdir(directory):
+        prefix, step, suffix = match.group(1), int(match.group(2)), match.group(3)
+        pattern = re.compile(re.escape(prefix) + r'(\d+)' + re.escape(suffix))
+        candidates = sorted(((int(m.group(1)), n) for n in os.listdir(directory)
+                             if (m := pattern.fullmatch(n)) and int(m.group(1)) < step),
+                            reverse=True)
+    for _, candidate in candidates:
+        earlier = os.path.join(directory, candidate)
+        if _incomplete_reason(earlier, meta_file) is None:
+            warn(f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}); '
+                 f'resuming from {earlier}, the newest complete one before it')
+            return earlier
+    raise FileNotFoundError(
+        f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}) and no complete '
+        f'earlier checkpoint is in {directory or "."}; restore it, or set resume=False to '
+        'start over')

@@ -1,21 +1,21 @@
 """``CheckpointHook`` that never deletes the last good checkpoint before the next exists.
 
-mmengine's hook removes the oldest checkpoint (``max_keep_ckpts``) *before*
-saving the new one, so a crash during that save can leave no checkpoint at
-all. This subclass saves first, then points ``last_checkpoint`` at the new
-checkpoint (atomically), and only then removes the expired one; a checkpoint
-that a crash at that point left behind is still listed in the saved
-``keep_ckpt_ids``, so the resumed run removes it as the stock hook removes any
-id beyond ``max_keep_ckpts``. Every option of
-the stock hook keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
-for ``CheckpointHook``. ``save_best`` honours ``state_dict_type`` and also
-writes the new best before deleting the old one; ``published_keys`` works on
-sharded checkpoints too (:mod:`.publish`).
+mmengine's hook removes the checkpoint ``max_keep_ckpts`` expires *before*
+saving the new one, so a crash during that save can leave none. This one
+saves, points ``last_checkpoint`` at the new checkpoint, then deletes. Every
+stock option keeps its meaning; ``FSDPRunner`` uses it wherever a config asks
+for ``CheckpointHook``::
+
+    default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1000,
+                                         max_keep_ckpts=3, state_dict_type='sharded',
+                                         published_keys=['meta', 'state_dict']))
 """
+import hashlib
 import logging
 import os
 import shutil
-from typing import Tuple
+import tempfile
+from typing import Any, Dict, Sequence, Tuple
 
 from mmengine.dist import is_main_process
 from mmengine.logging import MMLogger
@@ -23,10 +23,11 @@ from mmengine.logging import MMLogger
 from ..compat import CheckpointHookSteps
 from ..registry import HOOKS
 from ..together import fail_together
-from .durable import write_text_atomically
-from .publish import publish
+from .durable import replace_path, save_atomically, write_text_atomically
+from .safe_io import ENCODING_KEY, load_file
+from .state import is_sharded_checkpoint
 
-__all__ = ['CheckpointHook']
+__all__ = ['CheckpointHook', 'publish']
 
 
 @HOOKS.register_module()
@@ -34,12 +35,11 @@ class CheckpointHook(CheckpointHookSteps):
     """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete."""
 
     def before_train(self, runner) -> None:
-        """The stock set-up, without two notices about mmengine's own code.
+        """The stock set-up, without two deprecation notices about mmengine's own code.
 
-        mmengine's hook builds a ``FileClient`` for backward compatibility even
-        when ``file_client_args`` is unset, and does not use it then; building it
-        logs that ``FileClient`` and ``HardDiskBackend`` are deprecated on every
-        run. Those two log records are dropped here; all others pass.
+        mmengine builds an unused ``FileClient`` even when ``file_client_args``
+        is unset, which logs that ``FileClient`` and ``HardDiskBackend`` are
+        deprecated on every run.
         """
         if self.file_client_args is not None:
             super().before_train(runner)
@@ -56,11 +56,9 @@ class CheckpointHook(CheckpointHookSteps):
     def save_checkpoint_with_step(self, runner, step, meta) -> None:
         """The stock bookkeeping and save, then repoint, then delete the expired checkpoint.
 
-        Until it is deleted, the expired checkpoint stays first in the
-        ``keep_ckpt_ids`` that the new checkpoint's message hub holds: after a
-        crash in between, the resumed run's stock ``before_train`` finds more
-        ids than ``max_keep_ckpts`` and deletes the oldest, as mmengine does.
-        Nothing that this run (or the run it resumed) did not write is deleted.
+        Until deleted, the expired checkpoint stays first in the saved
+        ``keep_ckpt_ids``: after a crash in between, the resumed run's stock
+        ``before_train`` finds one id too many and deletes it, as mmengine does.
         """
         expired = None
         if self.max_keep_ckpts > 0 and not (self.kept_steps and self.kept_steps[-1] == step):
@@ -94,13 +92,10 @@ class CheckpointHook(CheckpointHookSteps):
             runner.message_hub.update_info('keep_ckpt_ids', list(self.kept_steps))
 
     def save_best_checkpoint(self, runner, metrics) -> None:
-        """The stock ``save_best``, saved like every other checkpoint, new before old.
+        """The stock ``save_best``, but with the hook's ``state_dict_type`` and new before old.
 
-        The stock hook saves the best checkpoint without the hook's extra
-        arguments (so always ``state_dict_type='full'``) and deletes the
-        previous best before writing the new one. Here ``state_dict_type`` and
-        the other ``**args`` apply, and the previous best is removed only once
-        the new one is complete.
+        (The stock hook always saves the best as a full file, and deletes the
+        previous best before writing the new one.)
         """
         if not self.save_best:
             return
@@ -143,7 +138,7 @@ class CheckpointHook(CheckpointHookSteps):
             self.save_checkpoint_with_step(runner, step, meta)
 
     def publish_model(self, runner, ckpt_path: str) -> None:
-        """Publish a full file or a sharded directory (:func:`~.publish.publish`)."""
+        """Publish a full file or a sharded directory (:func:`publish`)."""
         with fail_together(f'publishing {ckpt_path}'):
             if is_main_process():
                 published = publish(ckpt_path, self.published_keys)
@@ -153,6 +148,37 @@ class CheckpointHook(CheckpointHookSteps):
                         'they are not in published_keys')
                 runner.logger.info(f'The checkpoint ({ckpt_path}) is published to '
                                    f'{published["path"]}.')
+
+
+def publish(path: str, published_keys: Sequence[str]) -> Dict[str, Any]:
+    """Write ``<path without .pth>-<sha256[:8]>.pth`` with the ``published_keys`` of ``path``.
+
+    ``path`` is a full file or a sharded directory (consolidated first, in one
+    process). The name carries the hash as ``torch.hub``'s ``check_hash``
+    expects. Returns ``dict(path=..., removed=[keys left out])``.
+    """
+    from ..consolidate import consolidate  # consolidate imports this package
+    if is_sharded_checkpoint(path):
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as tmp:
+            checkpoint = consolidate(path, os.path.join(tmp, 'full.pth'))
+    else:
+        checkpoint = load_file(path)
+    record = checkpoint.pop(ENCODING_KEY, {})
+    removed = [k for k in checkpoint if k not in published_keys]
+    checkpoint = {k: v for k, v in checkpoint.items() if k in published_keys}
+    record = {k: v for k, v in record.items() if k in published_keys}
+    if record:  # how the published entries' numpy values come back
+        checkpoint[ENCODING_KEY] = record
+    base = os.path.splitext(path.rstrip(os.sep))[0]
+    tmp = f'{base}-publishing.pth'
+    save_atomically(checkpoint, tmp)
+    digest = hashlib.sha256()
+    with open(tmp, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    final = f'{base}-{digest.hexdigest()[:8]}.pth'
+    replace_path(tmp, final)
+    return dict(path=final, removed=removed)
 
 
 class _DropRecords(logging.Filter):

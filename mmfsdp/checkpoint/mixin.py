@@ -1,9 +1,8 @@
 """``save_checkpoint`` / ``load_checkpoint`` / ``resume`` for :class:`mmfsdp.FSDPRunner`.
 
-The stock versions save on rank 0 alone and load rank 0's view everywhere.
-These take every rank through the gather or the scatter, read and write the
-formats of :mod:`mmfsdp.checkpoint`, and keep everything else of mmengine's
-behaviour (meta, message hub, schedulers, hooks, ``CheckpointHook`` options).
+The stock versions save on rank 0 alone and load rank 0's view everywhere;
+these take every rank through the gather or the scatter and keep the rest of
+mmengine's behaviour (meta, message hub, schedulers, hooks).
 """
 import os.path as osp
 import time
@@ -20,40 +19,36 @@ from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
 from ..together import control_group, fail_together
-from .durable import new_token, remove_stale_temporaries
-from .encoding import decode, encode, unsafe_values, without_code
+from .durable import find_complete_checkpoint, new_token, remove_stale_temporaries, save_atomically
 from .hook import CheckpointHook
-from .integrity import find_complete_checkpoint
-from .matching import KeyMatch, match_keys, model_shapes
-from .safe_io import UNSAFE_SWITCH, save_atomically
-from .sharded import (
-    META_FILE,
-    checkpoint_model_shapes,
-    is_sharded_checkpoint,
-    load_sharded,
-    read_sharded_meta,
-    save_sharded,
-)
-from .sources import read_checkpoint
+from .safe_io import UNSAFE_SWITCH, decode, encode, read_checkpoint, unsafe_values, without_code
 from .state import (
+    META_FILE,
+    KeyMatch,
     StateDictType,
+    checkpoint_model_shapes,
     gather_full_state,
+    is_sharded_checkpoint,
     load_full_model_state,
     load_full_optimizer_state,
+    load_sharded,
+    match_keys,
+    model_shapes,
     optimizer_extras,
+    read_sharded_meta,
     resolve_state_dict_type,
+    save_sharded,
 )
 
 __all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
 
 #: ``meta`` key of a checkpoint: the tokens of the runs whose temporaries the run that
-#: wrote it removes (:mod:`.durable`); a run resuming from it takes them over.
+#: wrote it removes; a run resuming from it takes them over.
 TOKENS_KEY = 'temporary_tokens'
 
-#: How long the other ranks wait for rank 0 to write a checkpoint, by default:
-#: generous, because it bounds only a save that is slow but alive (a rank that
-#: fails or dies fails the others at once); the process group's timeout (e.g.
-#: 300 s) is sized for collectives and would kill a healthy multi-GB save.
+#: How long the other ranks wait for rank 0 to write a checkpoint, by default: generous,
+#: as it bounds only a slow but live save (a failing rank fails the others at once); the
+#: process group's timeout is sized for collectives and would kill a healthy multi-GB save.
 DEFAULT_SAVE_TIMEOUT_S = 3600.0
 
 
@@ -73,33 +68,22 @@ _REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, MMEngineCheckpointHook: Che
 class CheckpointMixin:
     """Checkpointing for a Runner whose model may be sharded.
 
-    Save either type from the stock hook::
+    Example::
 
         default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1000,
                                              state_dict_type='sharded'))  # or 'full'
-
-    ``load_from`` and ``resume`` accept a full file, a sharded directory, or an
-    ordinary mmengine checkpoint (the latter needs ``allow_unsafe_checkpoints = True``
-    in the config when it pickles mmengine or numpy classes).
+        load_from = 'work_dirs/exp/iter_1000.pth'  # full file, sharded directory, URL
+        allow_unsafe_checkpoints = True  # only for files that pickle classes
 
     Hooks whose state is sharded like the model (:class:`mmfsdp.ema.EMAHook`)
     may implement two more hook points, called on every rank:
     ``collect_checkpoint_state(runner, checkpoint, shards=None)`` before rank
-    0's ``before_save_checkpoint`` (``shards``: a dict saved beside the model's
-    shards, for a sharded directory), and
-    ``after_load_checkpoint_shards(runner, path, checkpoint)`` after a sharded
-    directory's model shards are loaded.
+    0's ``before_save_checkpoint`` (``shards``: saved beside the model's), and
+    ``after_load_checkpoint_shards(runner, path, checkpoint)``.
     """
 
     def register_hook(self, hook: Any, priority: Any = None) -> None:
-        """Register a hook; stock hooks that break under sharding become mmfsdp's.
-
-        - ``CheckpointHook`` -> :class:`mmfsdp.checkpoint.CheckpointHook`: same
-          options, but the expired checkpoint is deleted only after the new one
-          is complete;
-        - ``EMAHook`` -> :class:`mmfsdp.ema.EMAHook`: same options, each rank
-          averages its own shards.
-        """
+        """Register a hook; the stock ``CheckpointHook`` and ``EMAHook`` become mmfsdp's."""
         if isinstance(hook, dict):
             replacement = _REPLACED_HOOKS.get(hook.get('type'))
             if replacement is not None:
@@ -119,11 +103,10 @@ class CheckpointMixin:
                         save_timeout: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
         """Save a checkpoint; every rank calls it (as ``CheckpointHook`` does).
 
-        Args mirror ``Runner.save_checkpoint``, plus ``state_dict_type``:
-        ``'full'`` (one file written by rank 0) or ``'sharded'`` (a directory
-        with every rank's shards), and ``save_timeout``: seconds the other ranks
-        wait for rank 0's writes (a rank that fails or dies fails all ranks at
-        once, whatever this is). Only local paths are supported.
+        Args mirror ``Runner.save_checkpoint``, plus ``state_dict_type``
+        (``'full'``: one file by rank 0; ``'sharded'``: a directory of every
+        rank's shards) and ``save_timeout`` (seconds the other ranks wait for
+        rank 0's writes). Only local paths are supported.
         """
         kind = resolve_state_dict_type(state_dict_type)
         wait_s = resolve_save_timeout(save_timeout)
@@ -171,13 +154,10 @@ class CheckpointMixin:
                         ) -> Dict:
         """Load model weights from a full file, a sharded directory, an mmengine file or URI.
 
-        mmengine's semantics: ``revise_keys`` renames the checkpoint's keys;
-        entries whose key or shape does not fit the model are skipped and
-        listed in one warning on rank 0 (an error with ``strict=True``). A
-        sharded directory of which no key fits is an error. Weights go
-        straight into the (possibly sharded) model; each rank keeps only its
-        shard. ``map_location`` is accepted for compatibility: files are read
-        to the CPU and copied to the parameters' devices.
+        mmengine's semantics: ``revise_keys`` renames keys; entries whose key or
+        shape does not fit are skipped and listed in one warning on rank 0 (an
+        error with ``strict=True``); a sharded directory of which no key fits is
+        an error. ``map_location`` is ignored: files are read to the CPU.
         """
         allow_unsafe = bool(self.cfg.get(UNSAFE_SWITCH, False))
         sharded = is_sharded_checkpoint(filename)
@@ -239,13 +219,8 @@ class CheckpointMixin:
                map_location: Any = 'default') -> None:
         """Mmengine's ``resume``, with the optimizer state loaded at any world size.
 
-        As the stock ``resume``, it builds the optim wrapper from its config when
-        the checkpoint holds optimizer state (a resume before ``train()``), before
-        the parameter schedulers that need it.
-
         Auto-resume (``resume=True`` without ``load_from``) skips an incomplete
-        latest checkpoint for the newest complete one before it, with a warning
-        (:mod:`.integrity`).
+        latest checkpoint for the newest complete one before it, with a warning.
         """
         if load_from(self) is None:
             filename = self._complete_checkpoint(filename)
@@ -259,11 +234,9 @@ class CheckpointMixin:
     def _optim_wrapper_to_resume(self, checkpoint: Dict[str, Any]) -> Any:
         """The optim wrapper whose state a resume loads from ``checkpoint``, or ``None``.
 
-        As the stock ``Runner.resume``: only when resuming the optimizer and the
-        checkpoint holds its state; the optim wrapper is then built from its
-        config if it is not yet (a resume before ``train()``), and its state is
-        loaded before the parameter schedulers are built (the stock order: their
-        first step scales the resumed learning rates).
+        As the stock ``Runner.resume``, it is built from its config if need be
+        (a resume before ``train()``) and loaded before the parameter schedulers
+        are built: their first step scales the resumed learning rates.
         """
         if not (getattr(self, '_resuming', False) and self._resume_optimizer):
             return None
@@ -285,12 +258,9 @@ class CheckpointMixin:
     def _temporaries(self) -> Tuple[str, List[str]]:
         """The run's token for temporary names, and the tokens whose leftovers it removes.
 
-        The token is drawn by rank 0 at the first save and shared (every rank
-        writes into a sharded checkpoint's temporary directory). Besides its
-        own, a run removes the leftovers of the run it resumed from, whose
-        checkpoints it takes over as the stock ``CheckpointHook`` takes over
-        ``keep_ckpt_ids``; each checkpoint records them under
-        ``meta['temporary_tokens']``.
+        Rank 0 draws the token at the first save and shares it. A run also
+        removes the leftovers of the run it resumed from (:data:`TOKENS_KEY`),
+        as the stock ``CheckpointHook`` takes over ``keep_ckpt_ids``.
         """
         if getattr(self, '_temporary_token', None) is None:
             token = [new_token()]

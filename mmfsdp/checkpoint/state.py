@@ -1,21 +1,29 @@
-"""Model and optimizer state of a (possibly wrapped) model, full or sharded.
+"""Model and optimizer state in both formats: a full file or a sharded directory.
 
-All of it goes through ``torch.distributed.checkpoint.state_dict``
-(``get_*_state_dict`` / ``set_*_state_dict``), which serves FSDP1, FSDP2, DDP and
-plain modules alike and keys everything by the unwrapped model's parameter
-names. Gathering and scattering are collectives: every rank calls them.
+Everything goes through ``torch.distributed.checkpoint.state_dict``, which
+serves FSDP1, FSDP2, DDP and plain modules alike and keys everything by the
+unwrapped model's parameter names, so both formats load at any world size and
+into any wrapper. Gathering, scattering and sharded saves are collectives.
 
-Optimizer state is keyed by parameter name, so it loads at any world size and
-into any wrapper. An optimizer state in torch's own format (integer keys, as
-mmengine's stock Runner saves it) is converted by matching the integer ids with
-this optimizer's parameters in order, which holds when the optimizer is built
-by the same config.
+A sharded checkpoint ``iter_N.pth/`` holds DCP's ``.metadata`` and shard files
+(model, optimizer, and extra shards such as ``ema``) and :data:`META_FILE`
+(everything else, as plain values). :func:`match_keys` is mmengine's
+``load_from`` rule (skip and list what does not fit), decided from names and
+shapes before any tensor is read.
 """
 import contextlib
+import dataclasses
 import enum
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+import os
+import re
+import shutil
+import warnings
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from mmengine.dist import is_main_process
 from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -30,15 +38,23 @@ from ..dist import current_device
 from ..names import unwrapped_param_names
 from ..optim_wrappers import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
+from ..together import control_group, fail_together
+from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
+from .safe_io import load_file
 
-__all__ = ['StateDictType', 'full_state_on_rank0', 'gather_full_state', 'load_full_model_state',
-           'load_full_optimizer_state', 'load_optimizer_extras', 'load_param_groups',
-           'optimizer_extras', 'optimizer_state', 'optimizer_template',
-           'resolve_state_dict_type', 'sharded_state']
+__all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
+           'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
+           'is_sharded_checkpoint', 'load_full_model_state', 'load_full_optimizer_state',
+           'load_sharded', 'match_keys', 'model_shapes', 'optimizer_extras', 'read_sharded_meta',
+           'resolve_state_dict_type', 'save_sharded', 'sharded_state']
 
-#: Keys of an optimizer state that torch's optimizer owns; the rest (e.g. a
-#: loss scaler) belongs to mmengine's optim wrapper.
+#: The file of a sharded checkpoint that holds everything but the shards.
+META_FILE = 'mmengine.pth'
+# Keys of an optimizer state that torch's optimizer owns; the rest (e.g. a loss
+# scaler) belongs to mmengine's optim wrapper.
 _OPTIMIZER_KEYS = ('state', 'param_groups')
+# Top-level keys of the shards, as DCP flattens them into its metadata.
+_MODEL, _OPTIMIZER = 'model.', 'optimizer.'
 
 
 class StateDictType(enum.Enum):
@@ -59,16 +75,14 @@ def resolve_state_dict_type(value: Union[str, StateDictType]) -> StateDictType:
 def full_state_on_rank0(device: torch.device) -> bool:
     """Whether full state dicts gather to rank 0's CPU when training on ``device``.
 
-    On an accelerator, yes: one full copy, in host memory, instead of one per
-    rank on each accelerator. The training device decides, not where the
-    parameters are: offloaded parameters live on the CPU while the gathering
-    runs on the accelerator. On the CPU, no: FSDP1's offload path crashes on
-    CPU tensors (torch 2.13).
+    On an accelerator, yes: one full copy in host memory. The training device
+    decides, not where (offloaded) parameters live. On the CPU, no: FSDP1's
+    offload path crashes on CPU tensors (torch 2.13).
     """
     return device.type != 'cpu'
 
 
-def _options(model: nn.Module, full: bool, strict: bool = True) -> StateDictOptions:
+def _options(full: bool, strict: bool = True) -> StateDictOptions:
     return StateDictOptions(full_state_dict=full,
                             cpu_offload=full and full_state_on_rank0(current_device()),
                             strict=strict)
@@ -80,21 +94,24 @@ def _per_wrapper(optim_wrapper: AnyOptimWrapper, fn) -> Any:
     return results[None] if None in results else results
 
 
+def _select(tree: Any, name: Optional[str]) -> Any:
+    """The part of a per-optim-wrapper tree that belongs to wrapper ``name``."""
+    return tree if name is None else tree[name]
+
+
 def optimizer_extras(optim_wrapper: AnyOptimWrapper) -> Any:
     """The optim wrapper's own state besides the optimizer's (e.g. ``loss_scaler``)."""
     return _per_wrapper(optim_wrapper, lambda w: {
         k: v for k, v in w.state_dict().items() if k not in _OPTIMIZER_KEYS})
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    options: StateDictOptions) -> Dict[str, Any]:
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     options: StateDictOptions) -> Dict[str, Any]:
     """``get_optimizer_state_dict``, without its side effect on an optimizer that has no state.
 
-    DCP initialises an empty optimizer state by a ``step()`` with zero
-    gradients at lr 0: the parameters do not move, but Adam's ``step`` count
-    and moments now exist, so training after a save made before the first
-    real step would differ from training without it. That state is removed
-    again, and an optimizer without state is saved as ``state == {}``.
+    DCP initialises an empty optimizer state by a zero-gradient ``step()``:
+    Adam's ``step`` and moments would then exist, and training after a save
+    made before the first real step would differ. That state is removed again.
     """
     fresh = not optimizer.state
     state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -107,14 +124,14 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 def gather_full_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
                       ) -> Tuple[Dict[str, torch.Tensor], Optional[Any]]:
     """The unsharded model state and name-keyed optimizer state (collective)."""
-    options = _options(model, full=True)
+    options = _options(full=True)
     model_state = get_model_state_dict(model, options=options)
     if optim_wrapper is None:
         return model_state, None
 
     def wrapper_state(wrapper: OptimWrapper) -> Dict[str, Any]:
         state = {k: v for k, v in wrapper.state_dict().items() if k not in _OPTIMIZER_KEYS}
-        state.update(optimizer_state(model, wrapper.optimizer, options))
+        state.update(_optimizer_state(model, wrapper.optimizer, options))
         return state
 
     return model_state, _per_wrapper(optim_wrapper, wrapper_state)
@@ -124,18 +141,15 @@ def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
                   ) -> Tuple[Dict[str, Any], Optional[Any]]:
     """The model and optimizer shards of this rank, and the optimizer's param groups.
 
-    The shards (a dict of tensors) are what ``torch.distributed.checkpoint``
-    saves, and the template a sharded checkpoint is loaded into; the param
-    groups (hyperparameters and parameter names, the same on every rank) are
-    kept apart, as plain values, so that no pickled object enters the shards.
-    An optimizer without state (SGD without momentum, or before its first
-    step) has no shards.
+    The param groups (the same on every rank) are kept apart as plain values,
+    so that no pickled object enters the shards. An optimizer without state
+    has no shards.
     """
-    options = _options(model, full=False)
+    options = _options(full=False)
     shards: Dict[str, Any] = dict(model=get_model_state_dict(model, options=options))
     if optim_wrapper is None:
         return shards, None
-    states = {name: optimizer_state(model, w.optimizer, options)
+    states = {name: _optimizer_state(model, w.optimizer, options)
               for name, w in named_optim_wrappers(optim_wrapper)}
     tensors = {name: dict(state=s['state']) for name, s in states.items() if s['state']}
     groups = {name: s['param_groups'] for name, s in states.items()}
@@ -148,22 +162,11 @@ def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
     return shards, groups
 
 
-def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer-state tensors of this rank, to load a sharded checkpoint's shards into.
-
-    An optimizer without state gets DCP's initial state (zeros) as the
-    template; loading overwrites it.
-    """
-    return dict(state=get_optimizer_state_dict(model, optimizer,
-                                               options=_options(model, full=False))['state'])
-
-
 def load_full_model_state(model: nn.Module, state: Dict[str, Any],
                           strict: bool) -> Tuple[List[str], List[str]]:
     """Load an unsharded state dict; returns the missing and unexpected keys."""
     with _buffers_beside_parameters(model):
-        result = set_model_state_dict(model, state,
-                                      options=_options(model, full=True, strict=strict))
+        result = set_model_state_dict(model, state, options=_options(full=True, strict=strict))
     return list(result.missing_keys), list(result.unexpected_keys)
 
 
@@ -171,14 +174,9 @@ def load_full_model_state(model: nn.Module, state: Dict[str, Any],
 def _buffers_beside_parameters(model: nn.Module) -> Iterator[None]:
     """Within, the model's buffers are on its parameters' device (when that is one device).
 
-    FSDP1's CPU offload keeps the parameters on the CPU and the buffers (e.g.
-    BatchNorm's running statistics) on the accelerator. torch 2.13's
-    ``set_model_state_dict`` with a full state dict collects the devices of
-    the model's non-scalar parameters and persistent buffers and raises
-    "Multiple devices found" for more than one; it uses that device only to
-    hold the loaded values until ``load_state_dict`` copies them into the
-    model. So the buffers wait on the parameters' device during the load and
-    are moved back after it, holding the loaded values.
+    FSDP1's CPU offload keeps parameters on the CPU and buffers on the
+    accelerator; torch 2.13's full ``set_model_state_dict`` raises "Multiple
+    devices found" for that, though it only stages the values on that device.
     """
     devices = {p.device for p in model.parameters() if p.dim() > 0 and not p.is_meta}
     moved = []
@@ -198,7 +196,11 @@ def _buffers_beside_parameters(model: nn.Module) -> Iterator[None]:
 
 def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
                            model: nn.Module) -> Dict[str, Any]:
-    """Convert torch's integer-keyed optimizer state to parameter names."""
+    """Convert torch's integer-keyed optimizer state (the stock Runner's) to parameter names.
+
+    The integer ids match this optimizer's parameters in order, which holds
+    when the optimizer is built by the same config.
+    """
     groups = state['param_groups']
     _check_param_counts(groups, optimizer)
     if not groups or not groups[0]['params'] or isinstance(groups[0]['params'][0], str):
@@ -211,7 +213,6 @@ def _named_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimiz
 
 
 def _check_param_counts(groups: List[Dict[str, Any]], optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer state whose param groups do not fit this optimizer's."""
     saved = [len(g['params']) for g in groups]
     own = [len(g['params']) for g in optimizer.param_groups]
     if saved != own:
@@ -222,7 +223,7 @@ def _check_param_counts(groups: List[Dict[str, Any]], optimizer: torch.optim.Opt
             'and use `load_from` to load the weights only.')
 
 
-def load_param_groups(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> None:
+def _load_param_groups(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> None:
     """Restore hyperparameters (lr, momentum, ...) of each param group; not the parameters."""
     _check_param_counts(groups, optimizer)
     for own, saved in zip(optimizer.param_groups, groups):
@@ -233,24 +234,237 @@ def load_full_optimizer_state(model: nn.Module, optim_wrapper: AnyOptimWrapper,
                               state: Any) -> None:
     """Load a full optimizer state (name-keyed, or torch's integer-keyed format)."""
     for name, wrapper in named_optim_wrappers(optim_wrapper):
-        own = state if name is None else state[name]
+        own = _select(state, name)
         optimizer_state = _named_optimizer_state(
             {k: own[k] for k in _OPTIMIZER_KEYS}, wrapper.optimizer, model)
         # the hyperparameters first: DCP maps the saved groups' keys onto this optimizer's,
         # which lack those a scheduler adds (initial_lr) when resuming before train()
-        load_param_groups(wrapper.optimizer, optimizer_state['param_groups'])
+        _load_param_groups(wrapper.optimizer, optimizer_state['param_groups'])
         if optimizer_state['state']:  # else nothing to scatter; DCP would create state
             set_optimizer_state_dict(model, wrapper.optimizer, optimizer_state,
-                                     options=_options(model, full=True))
-        load_optimizer_extras(wrapper, {k: v for k, v in own.items()
-                                        if k not in _OPTIMIZER_KEYS})
+                                     options=_options(full=True))
+        _load_optimizer_extras(wrapper, {k: v for k, v in own.items()
+                                         if k not in _OPTIMIZER_KEYS})
 
 
-def load_optimizer_extras(wrapper: OptimWrapper, extras: Dict[str, Any]) -> None:
-    """Restore the optim wrapper's own state, e.g. an AMP loss scaler."""
+def _load_optimizer_extras(wrapper: OptimWrapper, extras: Dict[str, Any]) -> None:
     if 'loss_scaler' in extras and hasattr(wrapper, 'loss_scaler'):
         wrapper.loss_scaler.load_state_dict(extras['loss_scaler'])
-    # The base values that schedulers scale (OptimWrapper.param_groups' last
-    # entry), present whenever there are several param groups (paramwise_cfg).
+    # The base values that schedulers scale, present with several param groups.
     if extras.get('base_param_settings') is not None:
         wrapper.base_param_settings = extras['base_param_settings']
+
+
+# ---- which checkpoint entries load into which model keys ---------------------------------
+
+
+@dataclasses.dataclass
+class KeyMatch:
+    """The outcome of matching a checkpoint's keys with a model's."""
+
+    #: model key -> checkpoint key, for every entry that loads.
+    loaded: Dict[str, str]
+    #: model keys that the checkpoint does not provide.
+    missing: List[str]
+    #: checkpoint keys (as saved) that the model does not have.
+    unexpected: List[str]
+    #: (model key, shape in the checkpoint, shape in the model) of skipped entries.
+    mismatched: List[Tuple[str, torch.Size, torch.Size]]
+
+    @property
+    def exact(self) -> bool:
+        """Whether every key matched with its shape."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def report(self) -> str:
+        """What did not load, in mmengine's (and torch's) wording."""
+        lines = ['The model and loaded state dict do not match exactly\n']
+        lines += [f'size mismatch for {key}: copying a param with shape {saved} from checkpoint, '
+                  f'the shape in current model is {own}.' for key, saved, own in self.mismatched]
+        if self.unexpected:
+            lines.append(f'unexpected key in source state_dict: {", ".join(self.unexpected)}\n')
+        if self.missing:
+            lines.append(f'missing keys in source state_dict: {", ".join(self.missing)}\n')
+        return '\n'.join(lines)
+
+
+def model_shapes(model: nn.Module) -> Dict[str, Optional[torch.Size]]:
+    """The unwrapped model's keys and full shapes (``None``: not a tensor); collective."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    return {k: torch.Size(v.size()) if isinstance(v, torch.Tensor) else None
+            for k, v in state.items()}
+
+
+def match_keys(model: Mapping[str, Optional[torch.Size]],
+               checkpoint: Mapping[str, Optional[torch.Size]],
+               revise_keys: Sequence[Tuple[str, str]] = ()) -> KeyMatch:
+    """Match checkpoint keys (renamed by ``revise_keys``) with model keys, by name and shape.
+
+    >>> match_keys(model_shapes(model), {'head.weight': torch.Size([80, 16])}).mismatched
+    [('head.weight', torch.Size([80, 16]), torch.Size([3, 16]))]
+    """
+    loaded, unexpected, mismatched = {}, [], []
+    for saved_key, saved_shape in checkpoint.items():
+        key = saved_key
+        if key not in model:  # a key the model has is its own (a child may be called 'module')
+            for pattern, replacement in revise_keys:
+                key = re.sub(pattern, replacement, key)
+        if key not in model:
+            unexpected.append(saved_key)
+        elif saved_shape is not None and model[key] is not None and saved_shape != model[key]:
+            mismatched.append((key, saved_shape, model[key]))
+        else:
+            loaded[key] = saved_key
+    skipped = {key for key, _, _ in mismatched}
+    # mmengine does not report BatchNorm's counters as missing.
+    missing = [k for k in model if k not in loaded and k not in skipped
+               and 'num_batches_tracked' not in k]
+    return KeyMatch(loaded, missing, unexpected, mismatched)
+
+
+# ---- the sharded directory ---------------------------------------------------------------
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory."""
+    return os.path.isfile(os.path.join(path, META_FILE))
+
+
+def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
+    """The non-shard part of a sharded checkpoint: meta, message hub, schedulers."""
+    return load_file(os.path.join(path, META_FILE), allow_unsafe)
+
+
+def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
+                 extra: Dict[str, Any], wait_s: Optional[float] = None,
+                 extra_shards: Optional[Dict[str, Any]] = None, token: str = '',
+                 clean_tokens: Sequence[str] = ()) -> None:
+    """Write every rank's shards and rank 0's ``extra`` to the directory ``path`` (collective).
+
+    Written as ``<token>-NAME.tmp/`` and renamed once every rank is done, so a
+    directory under the final name is complete. Rank 0's steps end in
+    ``fail_together`` (``wait_s`` bounds the others' wait); ``extra_shards``
+    are saved beside the model's (e.g. ``EMAHook``'s ``'ema'``); the
+    temporaries of ``clean_tokens`` are removed after the rename.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    check_shared_directory(directory, token)
+    tmp = temporary_path(path, token)
+    with fail_together(f'clearing {tmp}'):
+        if is_main_process() and os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    shards, param_groups = sharded_state(model, optim_wrapper)
+    shards.update(extra_shards or {})
+    with _single_process_is_intended():
+        dcp.save(shards, checkpoint_id=tmp)
+    with fail_together(f'saving checkpoint {path}', wait_s):
+        if is_main_process():
+            if param_groups is not None:
+                extra = dict(extra, optimizer_param_groups=param_groups)
+            save_atomically(extra, os.path.join(tmp, META_FILE))
+            replace_path(tmp, path, token)
+            remove_stale_temporaries(directory, clean_tokens)
+
+
+# Directories that every rank of this process's job was seen to share.
+_SHARED_DIRECTORIES: Set[str] = set()
+
+
+def check_shared_directory(directory: str, token: str = '') -> None:
+    """Refuse, on every rank and before anything is written, a directory the ranks do not share.
+
+    On node-local disks the other nodes' shards would stay behind under the
+    temporary name and a resume would fail later. Rank 0 writes a marker,
+    every rank looks for it, one gather agrees. Collective; once per directory.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or \
+            directory in _SHARED_DIRECTORIES:
+        return
+    marker = temporary_path(os.path.join(directory, 'shared-directory-check'), token)
+    with fail_together(f'writing {marker}'):
+        if is_main_process():
+            os.makedirs(directory, exist_ok=True)
+            with open(marker, 'w') as f:
+                f.write('written by rank 0 to check that every rank sees this directory\n')
+    seen: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (os.path.isfile(marker), directory), group=control_group())
+    with fail_together(f'removing {marker}'):
+        if is_main_process():
+            os.remove(marker)
+    blind = [rank for rank, (saw, _) in enumerate(seen) if not saw]
+    if blind:  # the same message on every rank
+        raise ValueError(
+            f"default_hooks.checkpoint: state_dict_type='sharded' writes every rank's shards "
+            f'into one directory ({seen[0][1]} on rank 0), but rank'
+            f'{"s" if len(blind) > 1 else ""} {", ".join(map(str, blind))} did not see the '
+            f'file rank 0 wrote there (in {seen[blind[0]][1]} on rank {blind[0]}): the ranks '
+            'do not share this directory (a disk local to each node?). Nothing was written. '
+            'Choose a work_dir (or the hook\'s out_dir) on a file system that every node '
+            "mounts, or state_dict_type='full' (one file, written by rank 0 alone); "
+            "state_dict_type choices: 'full', 'sharded'.")
+    _SHARED_DIRECTORIES.add(directory)
+
+
+def checkpoint_model_shapes(path: str) -> Dict[str, Optional[torch.Size]]:
+    """The model keys and full shapes stored in a sharded checkpoint (reads only ``.metadata``)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key[len(_MODEL):]: getattr(entry, 'size', None)
+            for key, entry in metadata.items() if key.startswith(_MODEL)}
+
+
+def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper] = None,
+                 match: Optional[KeyMatch] = None, meta: Optional[Dict[str, Any]] = None) -> None:
+    """Load the model (and the optimizer) from a sharded checkpoint, at any world size.
+
+    ``match`` says which checkpoint entry goes into which model key (default:
+    every key exactly); ``meta`` is the :data:`META_FILE` content, read if not given.
+    """
+    options = _options(full=False)
+    own = get_model_state_dict(model, options=options)
+    if match is None:
+        match = match_keys({k: None for k in own}, {k: None for k in own})
+    template: Dict[str, Any] = dict(model={saved: own[key] for key, saved in match.loaded.items()})
+    wrappers = dict(named_optim_wrappers(optim_wrapper)) if optim_wrapper is not None else {}
+    # An optimizer that had no state when saved has no shards.
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata if wrappers else {}
+    with_shards = [name for name in wrappers
+                   if any(k.startswith(_OPTIMIZER if name is None else f'{_OPTIMIZER}{name}.')
+                          for k in keys)]
+    # An optimizer without state gets DCP's initial state (zeros) as the template.
+    templates = {name: dict(state=get_optimizer_state_dict(
+        model, wrappers[name].optimizer, options=options)['state']) for name in with_shards}
+    if with_shards:
+        template['optimizer'] = templates[None] if with_shards == [None] else templates
+    with _single_process_is_intended():
+        dcp.load(template, checkpoint_id=path)
+    loaded = {key: template['model'][saved] for key, saved in match.loaded.items()}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    if optim_wrapper is None:
+        return
+    meta = meta if meta is not None else read_sharded_meta(path)
+    groups, extras = meta['optimizer_param_groups'], meta.get('optimizer_extras') or {}
+    for name, wrapper in wrappers.items():
+        own_groups = _select(groups, name)
+        if name in with_shards:
+            state = dict(state=_select(template['optimizer'], name)['state'],
+                         param_groups=own_groups)
+            _load_param_groups(wrapper.optimizer, own_groups)  # checks the parameter counts
+            set_optimizer_state_dict(model, wrapper.optimizer, state, options=options)
+        else:  # saved without optimizer state: DCP's template step must not leave any
+            wrapper.optimizer.state.clear()
+            _load_param_groups(wrapper.optimizer, own_groups)
+        _load_optimizer_extras(wrapper, _select(extras, name) if extras else {})
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to load/save in a single process" warning.
+
+    One-process use of a sharded checkpoint (``tools/test.py --launcher none``)
+    is intended here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', category=UserWarning,
+                                message='torch.distributed is disabled, unavailable or '
+                                        'uninitialized, assuming the intent')
+        yield
