@@ -123,7 +123,7 @@ def _torch_fsdp2_arm(args: argparse.Namespace, read_loss: bool) -> Dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from mmfsdp.demo.stdlib_text import StdlibCharDataset
+    from mmfsdp.demo import StdlibCharDataset
     device = torch.device('cuda', torch.cuda.current_device())
     torch.manual_seed(0)
     model = build_model(args.model).to(device)

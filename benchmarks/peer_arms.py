@@ -30,7 +30,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import LOOPS
 from mmengine.runner import IterBasedTrainLoop
 
-from mmfsdp.demo.gpt import GPT
+from mmfsdp.demo import GPT
 from mmfsdp.registry import MODELS as MMFSDP_MODELS
 
 from .workload import BLOCK_SIZE, LR, MODELS, STRATEGIES, VOCAB_SIZE, make_runner, plain_model
@@ -226,7 +226,7 @@ def _flexible_runner(preset: str, init_file: str, work_dir: str,
     from mmengine.runner import FlexibleRunner
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from mmfsdp.demo.blocks import TransformerBlock
+    from mmfsdp.demo import TransformerBlock
     wrapper = dict(type='MMFullyShardedDataParallel', sharding_strategy='FULL_SHARD',
                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                    backward_prefetch='BACKWARD_PRE', limit_all_gathers=True,
@@ -300,7 +300,7 @@ def _fabric(kind: str) -> Callable[[str, str, str], Trainer]:
         from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
         from torch.distributed.fsdp import BackwardPrefetch
 
-        from mmfsdp.demo.blocks import TransformerBlock
+        from mmfsdp.demo import TransformerBlock
         world = dist.get_world_size()
         if kind == 'fsdp1':
             strategy: Any = FSDPStrategy(

@@ -97,7 +97,7 @@ def _batches(preset_seq: int, batch_size: int, steps: int) -> List[Dict[str, Any
     import torch.distributed as dist
     from mmengine.dataset import default_collate
 
-    from mmfsdp.demo.stdlib_text import StdlibCharDataset
+    from mmfsdp.demo import StdlibCharDataset
     dataset = StdlibCharDataset(block_size=preset_seq, max_chars=200_000)
     generator = torch.Generator().manual_seed(1000 + dist.get_rank())
     return [default_collate([dataset[int(i)] for i in

@@ -96,7 +96,7 @@ def build_model(preset: str, device: Optional[str] = None) -> Any:
     """A GPT preset as a module (``device='meta'``: shapes only)."""
     import torch
 
-    from mmfsdp.demo.gpt import GPT
+    from mmfsdp.demo import GPT
     with torch.device(device or 'cpu'):
         return GPT(VOCAB_SIZE, BLOCK_SIZE, **MODELS[preset])
 
@@ -169,7 +169,7 @@ def plain_model(kind: str, preset: str, seed: int = 0, model: Any = None) -> tup
     import torch
     import torch.distributed as dist
 
-    from mmfsdp.demo.blocks import TransformerBlock
+    from mmfsdp.demo import TransformerBlock
     if model is None:
         torch.manual_seed(seed)
         model = build_model(preset)
