@@ -1,30 +1,15 @@
-"""Build a model with its parameters and buffers on the meta device, nothing else.
+"""Build a model with only its parameters and buffers on the meta device.
 
-:func:`empty_weights` intercepts ``nn.Module.register_parameter`` and
-``register_buffer``: each tensor is registered as usual, then replaced by a
-meta tensor of the same shape and dtype. Every other tensor a constructor
-makes stays real, so ``torch.linspace(0, rate, depth)[i].item()`` works (a
-global ``torch.device('meta')`` would make it a meta tensor and ``.item()``
-would fail).
-
-Constructor-set values are recorded at registration: a parameter or buffer
-made by ``torch.zeros`` / ``ones`` / ``arange`` / ``full`` / arithmetic
-(``cls_token``, ``position_ids``, LayerScale's ``gamma``) is copied to the CPU
-before it goes to meta, up to :data:`RECORD_LIMIT_BYTES` per tensor, and
-:func:`mmfsdp.meta_init.materialize` writes it back onto the shards. A tensor
-allocated by ``torch.empty`` and not written before registration holds no value
-and is not recorded (an initialiser must write it); nor is one the constructor
-writes into after registering it (the write went to meta and is lost), unless
-the write came from ``reset_parameters`` / ``_reset_parameters`` /
-``init_weights``, which materialisation runs again. Which storages are still
-uninitialised is tracked by a dispatch mode that sees every operator of the
-constructor.
+Registration is intercepted rather than setting a global ``torch.device('meta')``,
+so every other tensor a constructor makes stays real (``linspace(...)[i].item()``
+works). The values construction gave each parameter and buffer are recorded for
+:func:`mmfsdp.meta_init.materialize` to write back; docs/meta-init.md has the rules.
 """
 import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from mmengine.registry import MODELS
@@ -50,6 +35,9 @@ RECORD_LIMIT_BYTES = 16 * 2**20
 _EMPTY_OPS = {'aten::empty', 'aten::empty_like', 'aten::empty_strided', 'aten::new_empty',
               'aten::new_empty_strided', 'aten::empty_permuted'}
 
+#: Functions whose writes materialisation replays (it runs them again).
+_REPLAYED = frozenset({'reset_parameters', *PRIVATE_INITIALISERS, 'init_weights', '_init_weights'})
+
 
 @dataclass(frozen=True)
 class Recorded:
@@ -57,10 +45,7 @@ class Recorded:
 
     #: Its value on the CPU, or ``None`` when it had none or was too large.
     value: Optional[torch.Tensor]
-    #: Why there is no value: ``'unset'`` (``torch.empty``, never written),
-    #: ``'too large'`` (over :data:`RECORD_LIMIT_BYTES`) or ``'written after
-    #: registration'`` (the constructor wrote into it once it was on meta, other
-    #: than through ``reset_parameters`` / ``init_weights``, which are replayed).
+    #: Why there is no value: ``'unset'``, ``'too large'`` or ``'written after registration'``.
     missing: Optional[str] = None
 
 
@@ -80,13 +65,14 @@ def forget(model: nn.Module) -> None:
         _RECORDS.pop(module, None)
 
 
+def written_values(func: Any, args: tuple, kwargs: dict) -> List[Any]:
+    """The arguments an operator writes (in place or through ``out=``)."""
+    values = dict(zip(argument_names(func), args), **kwargs)
+    return [values.get(name) for name in written_arguments(func)]
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr() if tensor.device.type != 'meta' else 0
-
-
-#: Functions whose writes materialisation replays (``reset_parameters`` and
-#: ``init_weights`` run again there).
-_REPLAYED = frozenset({'reset_parameters', *PRIVATE_INITIALISERS, 'init_weights', '_init_weights'})
 
 
 def _replayed() -> bool:
@@ -101,9 +87,9 @@ def _replayed() -> bool:
 class _ConstructionWatch(TorchDispatchMode):
     """Sees every operator of a constructor.
 
-    Remembers storages allocated empty until an operator writes to them, and
-    notices writes into parameters / buffers already on meta from anywhere but
-    an initialiser that materialisation replays: such a value is lost.
+    Remembers storages allocated empty until something writes them, and marks a
+    parameter / buffer already on meta as lost when written from anywhere but an
+    initialiser that materialisation replays.
     """
 
     def __init__(self) -> None:
@@ -113,7 +99,6 @@ class _ConstructionWatch(TorchDispatchMode):
         self.registered: Dict[int, Tuple[weakref.ref[nn.Module], str]] = {}
 
     def watch(self, module: nn.Module, name: str, meta: torch.Tensor) -> None:
-        """Report writes into ``meta``, registered as ``module.<name>``."""
         self.registered[storage_key(meta)] = (weakref.ref(module), name)
 
     def _wrote_meta(self, tensor: torch.Tensor) -> None:
@@ -128,17 +113,13 @@ class _ConstructionWatch(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
-        written = written_arguments(func)
-        values = dict(zip(argument_names(func), args), **kwargs)
-        for name in written:
-            value = values.get(name)
+        for value in written_values(func, args, kwargs):
             if isinstance(value, torch.Tensor):
                 if value.is_meta:
                     self._wrote_meta(value)
                 else:
                     self.unset.discard(_storage_key(value))
-        results = out if isinstance(out, (tuple, list)) else (out, )
-        for result in results:
+        for result in out if isinstance(out, (tuple, list)) else (out, ):
             if isinstance(result, torch.Tensor) and result.numel():
                 key = _storage_key(result)
                 if operator_name(func) in _EMPTY_OPS:
@@ -148,11 +129,8 @@ class _ConstructionWatch(TorchDispatchMode):
         return out
 
 
-def _record(module: nn.Module, name: str, tensor: torch.Tensor,
-            unset: _ConstructionWatch, keep: bool) -> None:
-    if not keep:
-        return
-    if tensor.numel() and _storage_key(tensor) in unset.unset:
+def _record(module: nn.Module, name: str, tensor: torch.Tensor, watch: _ConstructionWatch) -> None:
+    if tensor.numel() and _storage_key(tensor) in watch.unset:
         entry = Recorded(None, 'unset')
     elif tensor.numel() * tensor.element_size() > RECORD_LIMIT_BYTES:
         entry = Recorded(None, 'too large')
@@ -171,37 +149,39 @@ def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
 def empty_weights(record: bool = True) -> Iterator[None]:
     """Inside, registered parameters and buffers go to the meta device.
 
-    With ``record``, their constructor values are kept (see the module
-    docstring); the plan's dry run needs shapes only and passes ``False``.
+    With ``record``, their constructor values are kept; the plan's dry run needs
+    shapes only and passes ``False``.
     """
     register_parameter = nn.Module.register_parameter
     register_buffer = nn.Module.register_buffer
-    unset = _ConstructionWatch()
+    watch = _ConstructionWatch()
+
+    def to_meta(module: nn.Module, name: str, tensor: torch.Tensor,
+                make_meta: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if record:
+            _record(module, name, tensor, watch)
+        meta = make_meta(tensor)
+        replace_registered(module, name, meta)
+        watch.watch(module, name, meta)
 
     def to_meta_parameter(module: nn.Module, name: str,
                           param: Optional[nn.Parameter]) -> None:
         register_parameter(module, name, param)
         if (param is not None and not param.is_meta
                 and not isinstance(param, nn.parameter.UninitializedParameter)):
-            _record(module, name, param, unset, record)
-            meta = _meta_parameter(param)
-            replace_registered(module, name, meta)
-            unset.watch(module, name, meta)
+            to_meta(module, name, param, _meta_parameter)
 
     def to_meta_buffer(module: nn.Module, name: str, tensor: Optional[torch.Tensor],
                        persistent: bool = True) -> None:
         register_buffer(module, name, tensor, persistent)
         if (tensor is not None and not tensor.is_meta
                 and not isinstance(tensor, nn.parameter.UninitializedBuffer)):
-            _record(module, name, tensor, unset, record)
-            meta = tensor.detach().to('meta')
-            replace_registered(module, name, meta)
-            unset.watch(module, name, meta)
+            to_meta(module, name, tensor, lambda t: t.detach().to('meta'))
 
     nn.Module.register_parameter = to_meta_parameter
     nn.Module.register_buffer = to_meta_buffer
     try:
-        with unset if record else contextlib.nullcontext():
+        with watch if record else contextlib.nullcontext():
             yield
     finally:
         nn.Module.register_parameter = register_parameter
@@ -212,9 +192,8 @@ def build_on_meta(build: Callable[[Any], nn.Module],
                   model: Union[nn.Module, Mapping]) -> nn.Module:
     """``build(model)`` under :func:`empty_weights`, its data preprocessor built for real.
 
-    The data preprocessor is small and its buffers (``mean`` / ``std``) are
-    what its constructor computes; it stays a real module on the CPU and moves
-    to the training device with the model.
+    The preprocessor is small and its buffers (``mean`` / ``std``) are what its
+    constructor computes; it moves to the training device with the model.
     """
     if isinstance(model, nn.Module):
         raise TypeError("model_wrapper_cfg.init_device: 'meta' needs the model as a config "

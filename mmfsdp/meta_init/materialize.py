@@ -1,85 +1,378 @@
-"""Allocate the meta tensors of a model, initialise them, and verify that all were written.
+"""Allocate a meta-built model, initialise it, and verify that every tensor was written.
 
-:func:`materialize` (collective), after sharding (FSDP2) or on the CPU before
-wrapping (FSDP1):
-
-1. every meta tensor is allocated on the device; parameters are DTensor
-   shards by then under FSDP2, so each rank allocates only its shard. Real
-   tensors (the data preprocessor's) move to the device too, and every data
-   preprocessor's device becomes the training device;
-2. each is filled with a sentinel (:mod:`.written`);
-3. what construction would have done is replayed: the values recorded at
-   registration are written back (:mod:`.build`), then ``reset_parameters()``
-   (or ``_reset_parameters()``, as ``nn.MultiheadAttention`` and
-   ``nn.Transformer`` have) of every module that owns meta-built tensors,
-   children before parents as in their constructors; then the model's
-   ``init_weights()``, with ``init_cfg`` Pretrained loading slices
-   (:mod:`.pretrained`);
-4. a tensor still holding its sentinel is an error on every rank
-   (:class:`UnwrittenTensorsError`), or, inside :func:`defer_check`, is
-   handed to the runner to check after ``load_from``;
-5. buffers (unsharded: everything) are broadcast from rank 0, so replicated
-   state agrees.
-
-Random initialisation on the CPU: DTensor draws each shard from the local
-generator there, so every rank would draw the *same* numbers for *different*
-shards. Each shard coordinate therefore draws from its own seed, derived
-from rank 0's generator (replicas of a shard agree). Accelerators keep
-DTensor's own RNG tracker.
+:func:`materialize` runs after sharding (FSDP2: each rank allocates its shards) or
+on the CPU before wrapping (FSDP1). Each tensor is first filled with a sentinel,
+so "initialised" is checked, not assumed; ``init_cfg=Pretrained`` copies only
+each rank's slices. docs/meta-init.md describes the steps.
 """
 import contextlib
+import contextvars
+import logging
+import math
+import os.path as osp
+import re
 import warnings
-from typing import Iterator, Optional, Set
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
-from mmengine.model import BaseDataPreprocessor
+from mmengine.logging import print_log
+from mmengine.model import BaseDataPreprocessor, BaseModule
+from mmengine.model.weight_init import PretrainedInit
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..compat import convert_tensors, direct_tensor, direct_tensors, initialiser
-from .build import forget, recorded
-from .pretrained import check_init_cfgs, local_part, sharded_pretrained
-from .written import (
-    Unwritten,
-    WriteTracker,
-    agree_on_unwritten,
-    deferred,
-    fill_sentinel,
-    local_tensor,
-    named_tensors,
-    unwritten,
+from ..compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    FSDP_WRAPPED_MODULE,
+    TorchDispatchMode,
+    convert_tensors,
+    direct_tensor,
+    direct_tensors,
+    initialiser,
+    pretrained_init_calls,
+    record_init_info,
 )
+from .build import Recorded, forget, recorded, written_values
 
-__all__ = ['materialize', 'set_preprocessor_device']
+#: ``init_cfg`` types that work on DTensor shards (mmengine's built-ins act
+#: elementwise or through a tensor's global shape).
+SHARD_SAFE_INIT_TYPES = ('Constant', 'Xavier', 'Normal', 'TruncNormal', 'Uniform', 'Kaiming',
+                         'Caffe2Xavier', 'Pretrained')
 
+#: Module names that FSDP1 and activation checkpointing insert.
+_WRAPPER_TOKENS = frozenset({FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE})
+
+_ALLOW_UNSAFE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    'mmfsdp_pretrained_allow_unsafe', default=False)
+
+_DEFERRED: contextvars.ContextVar[Optional[List['Unwritten']]] = contextvars.ContextVar(
+    'mmfsdp_meta_init_deferred', default=None)
+
+
+@contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+class UnwrittenTensorsError(RuntimeError):
+    """Meta init left tensors that nothing wrote: training would start from garbage."""
+
+
+@dataclass(frozen=True)
+class Unwritten:
+    """One parameter or buffer nothing wrote, its owner's class, and why construction did not."""
+
+    name: str
+    owner: str
+    why: Optional[str] = None  # Recorded.missing
+
+
+# --- checks at wrap time ------------------------------------------------------------------------
+
+def class_name(module: nn.Module) -> str:
+    """The user's class of ``module`` (FSDP2 subclasses each sharded module as ``FSDP<Class>``)."""
+    from torch.distributed.fsdp import FSDPModule
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
+def _init_cfgs(init_cfg: Any) -> Iterator[Mapping]:
+    for cfg in init_cfg if isinstance(init_cfg, (list, tuple)) else [init_cfg]:
+        if isinstance(cfg, Mapping):
+            yield cfg
+            overrides = cfg.get('override') or []
+            for override in overrides if isinstance(overrides, (list, tuple)) else [overrides]:
+                if isinstance(override, Mapping) and 'type' in override:
+                    yield override
+
+
+def check_init_cfgs(model: nn.Module) -> None:
+    """Raise if an ``init_cfg`` type of any module may not work on shards."""
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseModule) or not module.init_cfg:
+            continue
+        for cfg in _init_cfgs(module.init_cfg):
+            kind = cfg.get('type')
+            kind = kind if isinstance(kind, str) else getattr(kind, '__name__', str(kind))
+            if kind not in SHARD_SAFE_INIT_TYPES and kind != 'PretrainedInit':
+                raise ValueError(
+                    f"init_device='meta': module `{name or '(root)'}` "
+                    f'({class_name(module)}) has init_cfg type {kind!r}, which is not known '
+                    f'to work on sharded parameters (supported: {", ".join(SHARD_SAFE_INIT_TYPES)}'
+                    '). Initialise it in `init_weights`, provide the weights via `load_from`, '
+                    'or leave init_device unset to initialise the full model before sharding.')
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def check_meta_model(module: nn.Module, init_device: Optional[str], when: str) -> bool:
+    """Whether ``module`` has meta tensors, which only ``init_device='meta'`` materialises.
+
+    Raises ``ValueError`` for a meta model without that option, and for
+    ``init_cfg`` entries that cannot initialise shards (:func:`check_init_cfgs`).
+    ``when`` says when the wrapper materialises (``'before sharding'``).
+    """
+    on_meta = _has_meta(module)
+    if on_meta and init_device != 'meta':
+        raise ValueError('model_wrapper_cfg.init_device: the model is on the meta device; '
+                         f"set init_device='meta' to materialise it {when}")
+    if on_meta:
+        check_init_cfgs(module)
+    return on_meta
+
+
+# --- sentinels: what nothing wrote ------------------------------------------------------------
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local part of ``tensor`` (a DTensor's shard on this rank), as a plain tensor."""
+    to_local = getattr(tensor, 'to_local', None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _sentinel(dtype: torch.dtype) -> Any:
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    # Booleans have no spare value: WriteTracker sees their writes instead.
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _has_sentinel(tensor: torch.Tensor) -> bool:
+    local = local_tensor(tensor).detach()
+    floating = local.dtype.is_floating_point or local.dtype.is_complex
+    return bool((torch.isnan(local) if floating else local == _sentinel(local.dtype)).any())
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return local_tensor(tensor).untyped_storage().data_ptr()
+
+
+class WriteTracker(TorchDispatchMode):
+    """Records the storages that operators write (in place or through ``out=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: Set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for value in written_values(func, args, kwargs):
+            for t in value if isinstance(value, (list, tuple)) else (value, ):
+                if isinstance(t, torch.Tensor):
+                    self.written.add(_storage(t))
+        return func(*args, **kwargs)
+
+    def wrote(self, tensor: torch.Tensor) -> bool:
+        """Whether an operator wrote ``tensor``'s storage while tracking."""
+        return _storage(tensor) in self.written
+
+
+def named_tensors(model: nn.Module) -> Dict[str, Tuple[torch.Tensor, str]]:
+    """``name -> (tensor, owning module class)``, under the unwrapped model's names."""
+    out: Dict[str, Tuple[torch.Tensor, str]] = {}
+    for module_name, module in model.named_modules():
+        module_name = '.'.join(t for t in module_name.split('.') if t not in _WRAPPER_TOKENS)
+        prefix = f'{module_name}.' if module_name else ''
+        for name, tensor in direct_tensors(module):
+            if tensor is not None:
+                out.setdefault(prefix + name, (tensor, class_name(module)))
+    return out
+
+
+def unwritten(model: nn.Module, candidates: Sequence[Unwritten],
+              tracker: Optional[WriteTracker] = None) -> List[Unwritten]:
+    """The ``candidates`` that still hold their sentinel on this rank (anywhere in the tensor)."""
+    tensors = named_tensors(model)
+
+    def left(tensor: torch.Tensor) -> bool:
+        if tensor.dtype == torch.bool:
+            return tracker is None or not tracker.wrote(tensor)
+        return _has_sentinel(tensor)
+
+    return [c for c in candidates if left(tensors[c.name][0])]
+
+
+def _message(found: Sequence[Unwritten]) -> str:
+    by_owner: Dict[str, List[Unwritten]] = {}
+    for item in found:
+        by_owner.setdefault(item.owner, []).append(item)
+    lines = []
+    for owner, items in by_owner.items():
+        names = ', '.join(i.name + {
+            'too large': ' (constructor value over the record limit)',
+            'unset': ' (allocated empty by its constructor)',
+            'written after registration': ' (its constructor wrote it after registering it)',
+        }.get(i.why, '') for i in items[:8])
+        more = f' and {len(items) - 8} more' if len(items) > 8 else ''
+        lines.append(f'  {owner}: {names}{more}')
+    owners = ', '.join(f'`{o}`' for o in by_owner)
+    return (f"init_device='meta': {len(found)} parameters / buffers were never written by an "
+            'initialiser, a checkpoint or a broadcast, so training would start from '
+            'uninitialised memory:\n' + '\n'.join(lines) +
+            f'\nFix: give {owners} a `reset_parameters`, set these tensors in `init_weights`, '
+            'or provide them via `load_from` (or leave init_device unset to build eagerly).')
+
+
+def agree_on_unwritten(local: Sequence[Unwritten]) -> None:
+    """Gather every rank's unwritten tensors (collective); raise the same error on all ranks."""
+    found = list(local)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, found)
+        found = list({item.name: item for rank in gathered for item in rank}.values())
+    if found:
+        raise UnwrittenTensorsError(_message(sorted(found, key=lambda i: i.name)))
+
+
+@contextlib.contextmanager
+def defer_check(enabled: bool = True) -> Iterator[List[Unwritten]]:
+    """Inside, materialisation hands its unwritten tensors to the yielded list.
+
+    For a runner that loads a checkpoint after wrapping: it calls
+    :func:`unwritten` and :func:`agree_on_unwritten` once the checkpoint is in.
+    """
+    pending: List[Unwritten] = []
+    with _bound(_DEFERRED, pending if enabled else None):
+        yield pending
+
+
+# --- init_cfg Pretrained on shards ------------------------------------------------------------
+
+def local_part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The slice of ``full`` that ``target`` (a DTensor shard, or a plain tensor) holds.
+
+    Shards follow ``torch.chunk`` along the placement's dim, as DTensor and
+    FSDP2 lay them out; a view, so an mmap-backed ``full`` reads only the slice.
+    """
+    mesh = getattr(target, 'device_mesh', None)
+    if mesh is None:
+        return full
+    part = full
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_shard():
+            count, coordinate = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+            chunks = torch.chunk(part, count, dim=placement.dim)
+            part = (chunks[coordinate] if coordinate < len(chunks)
+                    else part.narrow(placement.dim, 0, 0))
+        elif not placement.is_replicate():
+            raise NotImplementedError(f'cannot place a full tensor as {placement}')
+    return part
+
+
+def _read(filename: str, cache: Dict[str, Any]) -> Mapping[str, torch.Tensor]:
+    if filename not in cache:
+        if osp.isfile(filename):
+            from ..checkpoint.safe_io import load_file
+            try:  # memory-mapped: each rank pages in only the slices it copies
+                checkpoint = load_file(filename, _ALLOW_UNSAFE.get())
+            except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+                checkpoint = torch.load(filename, map_location='cpu',
+                                        weights_only=not _ALLOW_UNSAFE.get())
+        else:
+            from mmengine.runner import CheckpointLoader
+            checkpoint = CheckpointLoader.load_checkpoint(filename, map_location='cpu')
+        state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, Mapping) \
+            else checkpoint
+        cache[filename] = state
+    return cache[filename]
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, filename: str, prefix: Optional[str] = None,
+                    cache: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Copy each rank's slice of a pretrained checkpoint into ``module``; returns the keys loaded.
+
+    As mmengine's ``PretrainedInit`` with ``strict=False``: ``module.`` stripped,
+    or only the keys under ``prefix``; missing, unexpected and mis-shaped keys
+    are skipped with one warning.
+    """
+    state = _read(filename, {} if cache is None else cache)
+    if prefix is None:
+        state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
+    else:
+        head = prefix if prefix.endswith('.') else prefix + '.'
+        state = {k[len(head):]: v for k, v in state.items() if k.startswith(head)}
+        if not state:
+            raise ValueError(f'init_cfg Pretrained: prefix {prefix!r} is not in the pretrained '
+                             f'model {filename}')
+    targets = module.state_dict(keep_vars=True)
+    loaded, mismatched = [], []
+    for key, target in targets.items():
+        source = state.get(key)
+        if not isinstance(source, torch.Tensor):
+            continue
+        if tuple(source.shape) != tuple(target.shape):
+            mismatched.append(f'{key}: {tuple(source.shape)} vs {tuple(target.shape)}')
+            continue
+        local_tensor(target).copy_(local_part(source, target))
+        loaded.append(key)
+    missing = [k for k in targets if k not in loaded and k not in state]
+    unexpected = [k for k in state if k not in targets]
+    if missing or unexpected or mismatched:
+        print_log(f'init_cfg Pretrained {filename}: missing keys {missing}, unexpected keys '
+                  f'{unexpected}, shape mismatches {mismatched}', logger='current',
+                  level=logging.WARNING)
+    return loaded
+
+
+@contextlib.contextmanager
+def _sharded_pretrained() -> Iterator[None]:
+    """Inside, mmengine's ``PretrainedInit`` loads through :func:`load_pretrained`."""
+    cache: Dict[str, Any] = {}
+
+    def call(self: PretrainedInit, module: nn.Module) -> None:
+        print_log(f'load {self.prefix or "model"} from {self.checkpoint} (sharded)',
+                  logger='current')
+        load_pretrained(module, self.checkpoint, self.prefix, cache)
+        record_init_info(self, module)
+
+    with pretrained_init_calls(call):
+        yield
+
+
+@contextlib.contextmanager
+def allow_unsafe_pretrained(allow: bool) -> Iterator[None]:
+    """Let ``init_cfg`` Pretrained read checkpoints that need unsafe unpickling."""
+    with _bound(_ALLOW_UNSAFE, allow):
+        yield
+
+
+# --- materialisation ----------------------------------------------------------------------------
 
 def set_preprocessor_device(model: nn.Module, device: torch.device) -> None:
     """Move every data preprocessor to ``device`` and make it cast its inputs there.
 
-    ``BaseDataPreprocessor.to`` is the public way to set its device (a
-    preprocessor moved any other way keeps casting batches to the old one).
+    Through ``BaseDataPreprocessor.to``: moved any other way, it keeps its old device.
     """
     for module in model.modules():
         if isinstance(module, BaseDataPreprocessor):
             module.to(device)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, 'device_mesh')
-
-
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.is_meta:
         return torch.empty_like(tensor, device=device)
-    if _is_dtensor(tensor) or tensor.device == device:
-        return tensor
-    return tensor.to(device)
+    return tensor if hasattr(tensor, 'device_mesh') or tensor.device == device \
+        else tensor.to(device)
 
 
 @contextlib.contextmanager
 def _shard_seeded_rng(mesh: Optional[DeviceMesh], device: torch.device) -> Iterator[None]:
-    """On the CPU, seed the global generator per shard coordinate; restore it afterwards."""
+    """On the CPU, seed the global generator per shard coordinate; restore it afterwards.
+
+    DTensor draws each CPU shard from the local generator, so every rank would
+    draw the same numbers for different shards; replicas of a shard agree.
+    """
     handle = getattr(torch, device.type, None)
     if mesh is None or (device.type != 'cpu' and hasattr(handle, 'set_rng_state')):
         yield  # unsharded, or DTensor's RNG tracker gives each shard its part of one stream
@@ -93,32 +386,19 @@ def _shard_seeded_rng(mesh: Optional[DeviceMesh], device: torch.device) -> Itera
         yield
 
 
-def _modules_with_meta(model: nn.Module) -> Set[int]:
-    """Ids of the modules with a meta tensor in their subtree."""
-    found: Set[int] = set()
-
-    def visit(module: nn.Module) -> bool:
-        own = any(t is not None and t.is_meta
-                  for _, t in direct_tensors(module))
-        below = [visit(child) for child in module.children()]
-        if own or any(below):
-            found.add(id(module))
-            return True
-        return False
-
-    visit(model)
-    return found
+def _records(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str, Recorded]]:
+    for module_name, module in model.named_modules():
+        prefix = f'{module_name}.' if module_name else ''
+        for name, entry in recorded(module).items():
+            yield prefix + name, module, name, entry
 
 
 @torch.no_grad()
 def _restore_recorded(model: nn.Module, names: Set[str]) -> None:
     """Write the constructor values recorded at registration back (each rank its slice)."""
-    for module_name, module in model.named_modules():
-        prefix = f'{module_name}.' if module_name else ''
-        for name, entry in recorded(module).items():
-            tensor = direct_tensor(module, name)
-            if entry.value is None or tensor is None or prefix + name not in names:
-                continue
+    for full_name, module, name, entry in _records(model):
+        tensor = direct_tensor(module, name)
+        if entry.value is not None and tensor is not None and full_name in names:
             local_tensor(tensor).copy_(local_part(entry.value, tensor))
 
 
@@ -137,36 +417,27 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
                 broadcast: Optional[str] = 'buffers') -> None:
     """Allocate, initialise and verify the meta tensors of ``model`` (collective).
 
-    Args:
-        model: Built under :func:`mmfsdp.meta_init.empty_weights` (or plain
-            ``torch.device('meta')``, which records no constructor values),
-            sharded with ``fully_shard`` or not at all.
-        device: The training device.
-        mesh: The FSDP2 mesh, or ``None`` for an unsharded model (every rank
-            draws the same numbers only if seeded alike: broadcast afterwards).
-        broadcast: What to broadcast from rank 0 at the end: ``'buffers'``
-            (sharded parameters are initialised per shard), ``'all'`` (an
-            unsharded model on the CPU) or ``None`` (the wrapper will, e.g.
-            FSDP1's ``sync_module_states`` on an accelerator).
-
-    Raises:
-        UnwrittenTensorsError: on every rank, naming the tensors that nothing
-            wrote, unless inside :func:`mmfsdp.meta_init.defer_check`.
-
+    ``model`` was built under :func:`empty_weights` (or plain ``torch.device('meta')``,
+    which records no constructor values) and sharded with ``fully_shard`` over ``mesh``,
+    or not at all (``mesh=None``: ranks agree only through the broadcast). At the end
+    rank 0 broadcasts ``'buffers'`` (parameters were initialised per shard), ``'all'``
+    (an unsharded model on the CPU) or nothing (``None``: the wrapper will, e.g.
+    FSDP1's ``sync_module_states``). Raises :class:`UnwrittenTensorsError` on every
+    rank, naming what nothing wrote, unless inside :func:`defer_check`.
     """
     check_init_cfgs(model)
     owners = {name: owner for name, (t, owner) in named_tensors(model).items() if t.is_meta}
-    targets = _modules_with_meta(model)
-    why = {}
-    for module_name, module in model.named_modules():
-        prefix = f'{module_name}.' if module_name else ''
-        why.update({prefix + n: e.missing for n, e in recorded(module).items()})
+    targets = {id(m) for m in model.modules() if _has_meta(m)}
+    why = {full_name: entry.missing for full_name, _, _, entry in _records(model)}
     convert_tensors(model, lambda t: _to_device(t, device))
     set_preprocessor_device(model, device)
     tensors = named_tensors(model)
-    fill_sentinel([tensors[name][0] for name in owners])
+    with torch.no_grad():
+        for name in owners:
+            tensor = tensors[name][0]
+            local_tensor(tensor).fill_(_sentinel(tensor.dtype))
     tracker = WriteTracker()
-    with _shard_seeded_rng(mesh, device), sharded_pretrained(), tracker:
+    with _shard_seeded_rng(mesh, device), _sharded_pretrained(), tracker:
         _restore_recorded(model, set(owners))
         forget(model)
         _reset_in_constructor_order(model, targets)
@@ -175,7 +446,7 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
             init_weights()
     left = unwritten(model, [Unwritten(name, owner, why.get(name))
                              for name, owner in owners.items()], tracker)
-    pending = deferred()
+    pending = _DEFERRED.get()
     if pending is None:
         agree_on_unwritten(left)
     else:
@@ -185,4 +456,3 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
         with torch.no_grad():
             for tensor in tensors:
                 dist.broadcast(tensor, src=0)
-
