@@ -50,72 +50,34 @@ __all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions']
 
 @RUNNERS.register_module()
 class FSDPRunner(CheckpointMixin, RunnerSteps):
-    """A drop-in mmengine ``Runner`` that trains sharded models correctly.
+    """A drop-in mmengine ``Runner`` that trains sharded models to single-process numbers.
 
-    Same constructor, config keys and loops as ``Runner``. It changes only what
+    Same constructor, config keys and loops as ``Runner``; it changes only what
     the stock Runner gets wrong under sharding:
 
-    - **Start-up on any device**: the process group is started with the
-      device's backend (gloo on CPU, NCCL on CUDA) unless
-      ``env_cfg.dist_cfg.backend`` names one; mmengine's ``init_dist`` would
-      call ``torch.cuda.set_device`` and fail on a CPU-only machine. A
-      process whose group the runner started leaves through
-      :mod:`mmfsdp.dist` (groups destroyed, gloo's workers idle), so a
-      finished job does not abort in the interpreter's teardown; where the
-      caller started the group, the runner only waits for the workers to be
-      idle at exit and leaves the groups to the caller.
-    - **Fail fast**: ``model_wrapper_cfg`` is checked on every rank before the
-      process group starts (and against the model once it is built), so a
-      typo is an error everywhere, not a hang. Before the first collective
-      that depends on the model, the ranks compare fingerprints of the model
-      and the plan (:mod:`mmfsdp.together`); rank 0's own work (plan log,
-      checkpoint writes) ends with every rank learning whether it failed
-      (:mod:`mmfsdp.together`). Launch mistakes are refused up front too
-      (:mod:`mmfsdp.dist`): ``launcher='none'`` under torchrun, NCCL on a
-      machine without CUDA, mmengine's FSDP wrapper by its bare name.
-    - **Other packages' configs**: ``_scope_`` (inherited ``mmfsdp::`` configs)
-      and ``default_scope`` pick the registry as in mmengine; mmengine's
-      ``AmpOptimWrapper`` (``tools/train.py --amp``) becomes
-      ``mmfsdp.AmpOptimWrapper``, with a log line.
-    - **Wrap after initialising**: the model stays unwrapped until the
-      weights are final. ``train()`` builds the optimizer, runs
-      ``init_weights()`` and broadcasts rank 0's weights on the full model,
-      exactly when and how one process would; only then, before loading a
-      checkpoint, is the model wrapped. So weights equal single-process
-      training, and ``paramwise_cfg`` sees real shapes, names and layer types;
-      the optimizer is then pointed at the wrapped parameters
-      (:mod:`mmfsdp.optim`). ``val()`` and ``test()`` wrap at the same point.
-      Reaching it in ``train()`` before the optimizer is built or the weights
-      are initialised is an error (:class:`WrapPreconditions`).
-    - **Clipping**: each optim wrapper clips its own optimizer's parameters
-      by their gradient norm over all shards (every rank joins, gradients or
-      not), logged as ``grad_norm``.
-    - **Checkpoints**: every rank takes part in saving and loading; full
-      files or sharded directories, safe to load, resumable at any world size
-      (:class:`mmfsdp.checkpoint.CheckpointMixin`).
-    - **Meta init** (wrappers with ``supports_meta_init``, config
-      ``init_device='meta'``): the model's parameters and buffers are built
-      on the meta device and the model is wrapped at once; the wrapper
-      materialises and initialises it (:mod:`mmfsdp.meta_init`), so
-      ``train()`` skips the stock initialise-and-broadcast step. A tensor that
-      no initialiser, ``init_cfg`` Pretrained or ``load_from`` wrote is an
-      error on every rank (checked after loading when ``load_from`` is set).
-    - **FSDP1 on an accelerator**: the model stays on the CPU until wrapping;
-      FSDP1 moves it unit by unit and broadcasts rank 0's weights on the
-      device (``sync_module_states``), so no device holds the full model.
-      Random initialisers still draw from the device's generator
-      (:mod:`mmfsdp.device_draws`): the weights are those of the stock Runner,
-      which initialises on the device.
+    - start-up on any device (gloo on CPU, NCCL on CUDA; :mod:`mmfsdp.dist`),
+      and a clean exit;
+    - ``model_wrapper_cfg`` resolved once, checked on every rank before the
+      process group starts and against the model before the first collective,
+      with the ranks' agreement on what they shard (:mod:`mmfsdp.together`);
+    - the wrap waits until the optimizer is built on the unwrapped model and
+      the weights are initialised and broadcast as one process would
+      (:meth:`wrap_model`); the optimizer is then pointed at the wrapped
+      parameters and clips by the norm over all shards (:mod:`mmfsdp.optim`);
+    - checkpoints every rank takes part in, full or sharded, safe to load and
+      resumable at any world size (:mod:`mmfsdp.checkpoint`);
+    - meta init (``init_device='meta'``, :mod:`mmfsdp.meta_init`) and, for FSDP1
+      on an accelerator, a model staged on the CPU whose random initialisers
+      draw from the device's generator (:mod:`mmfsdp.device_draws`).
 
-    Without ``model_wrapper_cfg``, or with one that has no ``type``, a
-    distributed run uses ``mmfsdp.MMDistributedDataParallel`` (with those
-    options), which runs on CPU too.
+    Without ``model_wrapper_cfg`` (or without its ``type``) a distributed run
+    uses ``mmfsdp.MMDistributedDataParallel``, which runs on CPU too.
 
     Config::
 
         runner_type = 'mmfsdp.FSDPRunner'
         model_wrapper_cfg = dict(
-            type='mmfsdp.MMFullyShardedDataParallel',
+            type='mmfsdp.MMFullyShard',
             auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']))
     """
 
@@ -139,7 +101,6 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                 'CPU allocator from the config; the launch does (tools/dist_train.sh preloads '
                 'jemalloc or tcmalloc where installed, as torch.backends.xeon.run_cpu does). '
                 'Remove the key, or set LD_PRELOAD yourself')
-        self._preconditions = WrapPreconditions()
         if self.distributed and not is_distributed():
             init_distributed(self.launcher, env_cfg.get('dist_cfg'),
                              offload=self._wrapping.offloads_to_cpu)
