@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-__all__ = ['find_complete_checkpoint', 'new_token', 'remove_stale_temporaries',
+__all__ = ['find_complete_checkpoint', 'new_token', 'remove_path', 'remove_stale_temporaries',
            'replace_path', 'save_atomically', 'temporary_path', 'write_text_atomically']
 
 TMP_SUFFIX = '.tmp'
@@ -55,6 +55,14 @@ def _fsync_tree(path: str) -> None:
 
 def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
+
+
+def remove_path(path: str) -> None:
+    """Delete a file or directory tree, if there is one."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def replace_path(src: str, dst: str, token: str = '') -> None:
@@ -113,10 +121,7 @@ def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]
             if not os.path.lexists(final):
                 os.replace(path, final)
                 continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+        remove_path(path)
         removed.append(name)
     if removed:
         _fsync(directory)

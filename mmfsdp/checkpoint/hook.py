@@ -13,7 +13,6 @@ for ``CheckpointHook``::
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any, Dict, Sequence, Tuple
 
@@ -23,7 +22,7 @@ from mmengine.logging import MMLogger
 from ..compat import CheckpointHookSteps
 from ..registry import HOOKS
 from ..together import fail_together
-from .durable import replace_path, save_atomically, write_text_atomically
+from .durable import remove_path, replace_path, save_atomically, write_text_atomically
 from .safe_io import ENCODING_KEY, load_file
 from .state import is_sharded_checkpoint
 
@@ -87,7 +86,7 @@ class CheckpointHook(CheckpointHookSteps):
             if is_main_process():
                 write_text_atomically(self.last_ckpt, pointer)
                 if expired is not None:
-                    _remove(self.checkpoint_path(self.checkpoint_name(expired)))
+                    remove_path(self.checkpoint_path(self.checkpoint_name(expired)))
         if expired is not None:
             runner.message_hub.update_info('keep_ckpt_ids', list(self.kept_steps))
 
@@ -128,7 +127,7 @@ class CheckpointHook(CheckpointHookSteps):
                                    backend_args=self.backend_args, **self.save_kwargs)
             with fail_together(f'removing the previous best checkpoint {previous}'):
                 if is_main_process() and previous and previous != path:
-                    _remove(previous)
+                    remove_path(previous)
                     runner.logger.info(f'The previous best checkpoint {previous} is removed')
             runner.logger.info(f'The best checkpoint with {score:0.4f} {indicator} at {step} '
                                f'{unit} is saved to {name}.')
@@ -190,10 +189,3 @@ class _DropRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefixes)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)

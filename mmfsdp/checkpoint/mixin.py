@@ -90,15 +90,10 @@ class CheckpointMixin:
                 hook = dict(hook, type=replacement)
         super().register_hook(hook, priority)
 
-    def save_checkpoint(self,
-                        out_dir: str,
-                        filename: str,
-                        file_client_args: Optional[Dict] = None,
-                        save_optimizer: bool = True,
-                        save_param_scheduler: bool = True,
-                        meta: Optional[Dict] = None,
-                        by_epoch: bool = True,
-                        backend_args: Optional[Dict] = None,
+    def save_checkpoint(self, out_dir: str, filename: str,
+                        file_client_args: Optional[Dict] = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, meta: Optional[Dict] = None,
+                        by_epoch: bool = True, backend_args: Optional[Dict] = None,
                         state_dict_type: str = 'full',
                         save_timeout: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
         """Save a checkpoint; every rank calls it (as ``CheckpointHook`` does).
@@ -146,10 +141,7 @@ class CheckpointMixin:
                          token, clean)
         self._resumed_tokens = []  # their leftovers are gone
 
-    def load_checkpoint(self,
-                        filename: str,
-                        map_location: Any = 'cpu',
-                        strict: bool = False,
+    def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[Tuple[str, str]] = ((r'^module.', ''), )
                         ) -> Dict:
         """Load model weights from a full file, a sharded directory, an mmengine file or URI.
@@ -212,11 +204,8 @@ class CheckpointMixin:
         if is_main_process():
             self.logger.warning(match.report())
 
-    def resume(self,
-               filename: str,
-               resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True,
-               map_location: Any = 'default') -> None:
+    def resume(self, filename: str, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
         """Mmengine's ``resume``, with the optimizer state loaded at any world size.
 
         Auto-resume (``resume=True`` without ``load_from``) skips an incomplete
@@ -263,21 +252,16 @@ class CheckpointMixin:
         as the stock ``CheckpointHook`` takes over ``keep_ckpt_ids``.
         """
         if getattr(self, '_temporary_token', None) is None:
-            token = [new_token()]
-            if dist.is_initialized():
-                dist.broadcast_object_list(token, src=0, group=control_group())
-            self._temporary_token = token[0]
+            self._temporary_token = _from_rank0(new_token())
         resumed = [t for t in getattr(self, '_resumed_tokens', []) if t != self._temporary_token]
         return self._temporary_token, [self._temporary_token] + resumed
 
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""
         with fail_together('choosing the checkpoint to resume from'):
-            chosen = [find_complete_checkpoint(filename, META_FILE, self.logger.warning)
-                      if is_main_process() else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(chosen, src=0, group=control_group())
-        return chosen[0]
+            chosen = (find_complete_checkpoint(filename, META_FILE, self.logger.warning)
+                      if is_main_process() else None)
+        return _from_rank0(chosen)
 
     def _checkpoint_meta(self, meta: Optional[Dict], by_epoch: bool) -> Dict[str, Any]:
         """The ``meta`` entry of the stock Runner's checkpoints."""
@@ -298,3 +282,11 @@ class CheckpointMixin:
             return {name: [without_code(s.state_dict()) for s in schedulers]
                     for name, schedulers in self.param_schedulers.items()}
         return [without_code(s.state_dict()) for s in self.param_schedulers]
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]

@@ -209,7 +209,7 @@ def _tensor(array: np.ndarray) -> Any:
 
 
 def _numpy(value: Any) -> np.ndarray:
-    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(_legacy(value))
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(_untag(value))
 
 
 def _plain(value: Any, path: Path, converted: Dict[Path, Tuple[str, str]]) -> Any:
@@ -244,7 +244,7 @@ def _restore(value: Any, path: Path, converted: Mapping[Path, Tuple[str, str]]) 
         return array[()] if what == _SCALAR else array
     if isinstance(value, Mapping):
         if value.get(_LEGACY_NDARRAY) is True or value.get(_LEGACY_BUFFER) is True:
-            return _legacy(value)
+            return _untag(value)
         return {k: _restore(v, path + (k,), converted) for k, v in value.items()}
     if isinstance(value, list):
         return [_restore(v, path + (i,), converted) for i, v in enumerate(value)]
@@ -253,22 +253,14 @@ def _restore(value: Any, path: Path, converted: Mapping[Path, Tuple[str, str]]) 
     return value
 
 
-def _legacy(value: Any) -> Any:
-    """Values as earlier mmfsdp versions stored them (tagged dicts)."""
-    if isinstance(value, Mapping):
-        if value.get(_LEGACY_NDARRAY) is True:
-            raw = value['data'].numpy().tobytes()
-            array = np.frombuffer(raw, dtype=np.dtype(value['dtype'])).reshape(
-                value['shape']).copy()
-            return array[()] if value.get('scalar') else array
-        if value.get(_LEGACY_BUFFER) is True:
-            return HistoryBuffer(_numpy(value['log']), _numpy(value['count']),
-                                 value['max_length'])
-        return {k: _legacy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_legacy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_legacy(v) for v in value)
+def _untag(value: Any) -> Any:
+    """A value as earlier mmfsdp versions stored it (a tagged dict)."""
+    if isinstance(value, Mapping) and value.get(_LEGACY_NDARRAY) is True:
+        array = np.frombuffer(value['data'].numpy().tobytes(), dtype=np.dtype(value['dtype']))
+        array = array.reshape(value['shape']).copy()
+        return array[()] if value.get('scalar') else array
+    if isinstance(value, Mapping) and value.get(_LEGACY_BUFFER) is True:
+        return _buffer(value)
     return value
 
 
