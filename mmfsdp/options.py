@@ -1,18 +1,9 @@
 """Turn the strings of a config into torch values, in one place.
 
-Every option of every wrapper that a user can write as a string is resolved
-here, once, at the edge: the wrappers only ever see ``torch.dtype``, enum
-members and dataclasses. Each resolver names the config key, the bad value and
-the valid choices in its error, so that a typo fails on every rank at once,
-before any collective, instead of hanging or training the wrong thing.
-
-Errors follow one convention: ``TypeError`` for a value of the wrong type or an
-unknown keyword, ``ValueError`` for a value outside the valid choices.
-
-Sections: the shared resolvers (dtypes, enums, flags, keys, module classes by
-name); gradient accumulation (both sharded wrappers); FSDP1's strategy,
-prefetch, precision and offload; FSDP2's precision policy, offload, mesh and
-resharding.
+The wrappers only see ``torch.dtype``, enum members and dataclasses. Each
+resolver names the config key, the bad value and the valid choices, so a typo
+fails on every rank before any collective: ``TypeError`` for a wrong type or an
+unknown keyword, ``ValueError`` for a value outside the choices.
 """
 import difflib
 import enum
@@ -46,25 +37,18 @@ __all__ = [
 E = TypeVar('E', bound=enum.Enum)
 
 _DTYPES = {
-    'bf16': torch.bfloat16,
-    'bfloat16': torch.bfloat16,
-    'fp16': torch.float16,
-    'float16': torch.float16,
-    'half': torch.float16,
-    'fp32': torch.float32,
-    'float32': torch.float32,
-    'float': torch.float32,
+    'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
+    'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
+    'fp32': torch.float32, 'float32': torch.float32, 'float': torch.float32,
 }
-
-#: Keys of a ``model_wrapper_cfg`` that are no keyword of the wrapper: its class, and the
-#: registry scope mmengine adds to every dict with a ``type`` that a config inherits from
-#: another package (``_base_ = ['mmfsdp::...']`` gives ``_scope_='mmfsdp'``).
-NOT_WRAPPER_OPTIONS = ('type', '_scope_')
 
 
 def wrapper_options(cfg: Mapping[str, Any]) -> dict:
-    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``."""
-    return {k: v for k, v in cfg.items() if k not in NOT_WRAPPER_OPTIONS}
+    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``.
+
+    mmengine adds ``_scope_`` to every dict with a ``type`` inherited from another package.
+    """
+    return {k: v for k, v in cfg.items() if k not in ('type', '_scope_')}
 
 
 def suggest(value: Any, choices: Iterable[str]) -> str:
@@ -77,36 +61,31 @@ def _choices(names: Iterable[str]) -> str:
     return ', '.join(repr(n) for n in names)
 
 
+def _got(value: Any) -> str:
+    return f'got {type(value).__name__} {value!r}'
+
+
 def check_keys(given: Mapping[str, Any], valid: Iterable[str], key: str) -> None:
-    """Raise ``TypeError`` if ``given`` has a key outside ``valid``.
-
-    Args:
-        given: The user's mapping, e.g. ``mixed_precision=dict(...)``.
-        valid: The accepted keys.
-        key: The config key ``given`` sits under, for the message.
-
-    """
+    """Raise ``TypeError`` if ``given``, the mapping under ``key``, has a key outside ``valid``."""
     valid = list(valid)
     unknown = [k for k in given if k not in valid]
     if unknown:
-        bad = unknown[0]
-        raise TypeError(f'{key}: unknown key {bad!r}{suggest(bad, valid)}; '
+        raise TypeError(f'{key}: unknown key {unknown[0]!r}{suggest(unknown[0], valid)}; '
                         f'valid keys are {_choices(valid)}')
 
 
 def option_dict(value: Any, valid: Iterable[str], key: str, expected: str) -> Mapping[str, Any]:
     """``value``, a dict of options under ``key``; ``TypeError`` naming ``expected`` otherwise."""
     if not isinstance(value, Mapping):
-        raise TypeError(f'{key}: expected {expected}, got {type(value).__name__} {value!r}')
+        raise TypeError(f'{key}: expected {expected}, {_got(value)}')
     check_keys(value, valid, key)
     return value
 
 
 def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[torch.dtype]:
-    """Resolve ``'bf16' | 'bfloat16' | 'fp16' | 'float16' | 'fp32' | 'float32'``.
+    """Resolve ``'bf16' | 'fp16' | 'fp32'`` (and long names) or a floating ``torch.dtype``.
 
-    ``torch.dtype`` values pass through (floating dtypes only); ``None`` stays
-    ``None`` (meaning: keep the parameter's own dtype).
+    ``None`` stays ``None``: keep the parameter's own dtype.
     """
     if value is None:
         return None
@@ -115,8 +94,7 @@ def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[to
             raise ValueError(f'{key}: {value} is not a floating-point dtype')
         return value
     if not isinstance(value, str):
-        raise TypeError(f'{key}: expected a dtype name or torch.dtype, '
-                        f'got {type(value).__name__} {value!r}')
+        raise TypeError(f'{key}: expected a dtype name or torch.dtype, {_got(value)}')
     dtype = _DTYPES.get(value.lower())
     if dtype is None:
         raise ValueError(f'{key}: {value!r} is not a dtype{suggest(value.lower(), _DTYPES)}; '
@@ -128,17 +106,14 @@ def resolve_enum(value: Union[str, E],
                  enum_cls: Type[E],
                  key: str,
                  aliases: Optional[Mapping[str, E]] = None) -> E:
-    """Resolve a member of ``enum_cls`` by name, case-insensitively.
-
-    Members pass through; ``aliases`` adds extra lower-case names.
-    """
+    """A member of ``enum_cls`` by name, case-insensitively; ``aliases`` adds lower-case names."""
     if isinstance(value, enum_cls):
         return value
     aliases = dict(aliases or {})
     names = list(aliases) + [m.name for m in enum_cls]
     if not isinstance(value, str):
         raise TypeError(f'{key}: expected one of {_choices(names)} or a '
-                        f'{enum_cls.__name__}, got {type(value).__name__} {value!r}')
+                        f'{enum_cls.__name__}, {_got(value)}')
     if value.lower() in aliases:
         return aliases[value.lower()]
     member = enum_cls.__members__.get(value.upper())
@@ -151,16 +126,12 @@ def resolve_enum(value: Union[str, E],
 def resolve_flag(value: Any, key: str) -> bool:
     """A ``bool`` option; anything else (``"yes"``, ``1``) is a ``TypeError``."""
     if not isinstance(value, bool):
-        raise TypeError(f'{key}: expected True or False, got {type(value).__name__} {value!r}')
+        raise TypeError(f'{key}: expected True or False, {_got(value)}')
     return value
 
 
 def resolve_module_classes(value: Any, model: nn.Module, key: str) -> Tuple[Type[nn.Module], ...]:
-    """Resolve module classes given by name (or as classes) against ``model``.
-
-    A name must be the ``__name__`` of a class used in ``model``; an unknown one
-    is a ``ValueError`` listing the closest class names the model does use.
-    """
+    """Module classes, or names of classes in ``model`` (an unknown one: ``ValueError``)."""
     items = [value] if isinstance(value, (str, type)) else list(value or ())
     if not items:
         raise ValueError(f'{key}: expected at least one module class or class name')
@@ -189,28 +160,11 @@ def resolve_dtypes_and_flags(value: Mapping[str, Any], dtypes: Tuple[str, ...],
             resolve_flag(item, f'{key}.{name}') for name, item in value.items()}
 
 
-# ---- gradient accumulation (both sharded wrappers) ---------------------------------------
-# ``accumulation``: where gradients live between the micro-steps of gradient accumulation.
-#
-# With ``optim_wrapper.accumulative_counts = k > 1`` mmengine runs ``k`` forward /
-# backward micro-steps per optimizer step and, on all but the last, enters the
-# model's ``no_sync()``. The sharded wrappers read this option there:
-#
-# - ``'sharded'`` (default): ``no_sync()`` does nothing; every micro-step
-#   reduce-scatters its gradients and adds them to this rank's gradient shard.
-#   Gradient memory stays at the ZeRO bound (P·b/N per rank); it costs k−1
-#   extra reduce-scatters per optimizer step.
-# - ``'unsharded'``: ``no_sync()`` keeps full, unreduced gradients of every
-#   parameter on every rank until the last micro-step (P·b per rank), which
-#   reduce-scatters once: the fewest collectives, the most memory.
-#
-# Config::
-#
-#     model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', accumulation='sharded')
-
-
 class Accumulation(enum.Enum):
-    """Where gradients are accumulated across micro-steps."""
+    """Where gradients live between the micro-steps of gradient accumulation.
+
+    ``model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', accumulation='unsharded')``
+    """
 
     #: Reduce-scatter every micro-step, accumulate into the gradient shard.
     SHARDED = 'sharded'
@@ -222,30 +176,24 @@ def resolve_accumulation(value: Union[str, Accumulation]) -> Accumulation:
     """``accumulation``: ``'sharded' | 'unsharded'`` (any case) or an :class:`Accumulation`."""
     if isinstance(value, Accumulation):
         return value
-    choices = [m.value for m in Accumulation]
     if not isinstance(value, str):
         raise TypeError("model_wrapper_cfg.accumulation: expected 'sharded' or 'unsharded', "
-                        f'got {type(value).__name__} {value!r}')
+                        f'{_got(value)}')
     try:
         return Accumulation(value.lower())
     except ValueError:
         raise ValueError(f'model_wrapper_cfg.accumulation: {value!r} is not valid'
-                         f'{suggest(value.lower(), choices)}; valid choices are '
-                         "'sharded' (reduce-scatter every micro-step; gradients stay sharded) "
-                         "and 'unsharded' (no_sync: full gradients until the last micro-step)"
-                         ) from None
+                         f'{suggest(value.lower(), [m.value for m in Accumulation])}; valid '
+                         "choices are 'sharded' (reduce-scatter every micro-step; gradients stay "
+                         "sharded) and 'unsharded' (no_sync: full gradients until the last "
+                         'micro-step)') from None
 
 
 # ---- FSDP1 ----------------------------------------------------------------------------
 
-#: ``mixed_precision`` keys of FSDP1 and their kind: dtype or flag.
 _FSDP1_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'buffer_dtype')
 _FSDP1_MP_FLAGS = ('keep_low_precision_grads', 'cast_forward_inputs', 'cast_root_forward_inputs')
-
-_BACKWARD_PREFETCH_ALIASES = {
-    'pre': BackwardPrefetch.BACKWARD_PRE,
-    'post': BackwardPrefetch.BACKWARD_POST,
-}
+_MP_KEY = 'model_wrapper_cfg.mixed_precision'
 
 
 def resolve_sharding_strategy(value: Union[str, ShardingStrategy]) -> ShardingStrategy:
@@ -259,25 +207,22 @@ def resolve_backward_prefetch(
     if value is None:
         return None
     return resolve_enum(value, BackwardPrefetch, 'model_wrapper_cfg.backward_prefetch',
-                        _BACKWARD_PREFETCH_ALIASES)
+                        {'pre': BackwardPrefetch.BACKWARD_PRE,
+                         'post': BackwardPrefetch.BACKWARD_POST})
 
 
 def resolve_mixed_precision(
         value: Union[Mapping[str, Any], MixedPrecision, None]) -> Optional[MixedPrecision]:
     """``mixed_precision``: a dict of FSDP1 ``MixedPrecision`` fields, or one.
 
-    Example::
-
-        mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')
+    ``mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')``
     """
     if value is None or isinstance(value, MixedPrecision):
         return value
-    if not isinstance(value, Mapping):
-        raise TypeError('model_wrapper_cfg.mixed_precision: '
-                        'expected a dict, a MixedPrecision or None, '
-                        f'got {type(value).__name__} {value!r}')
-    return MixedPrecision(**resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS,
-                                                     'model_wrapper_cfg.mixed_precision'))
+    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS, _MP_KEY,
+                'a dict, a MixedPrecision or None')
+    return MixedPrecision(
+        **resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, _MP_KEY))
 
 
 def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:
@@ -290,16 +235,14 @@ def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CP
         check_keys(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload')
         return CPUOffload(offload_params=resolve_flag(
             value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
-    raise TypeError('model_wrapper_cfg.cpu_offload: '
-                    'expected True/False, dict(offload_params=...) or a '
-                    f'CPUOffload, got {type(value).__name__} {value!r}')
+    raise TypeError('model_wrapper_cfg.cpu_offload: expected True/False, '
+                    f'dict(offload_params=...) or a CPUOffload, {_got(value)}')
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------
 
-#: FSDP1 options that FSDP2 has no use for, and what to write instead. A config
-#: moved from ``MMFullyShardedDataParallel`` by changing its ``type`` fails with
-#: these messages rather than with a bare "unknown key".
+#: FSDP1 options that FSDP2 has no use for, and what to write instead (a config moved
+#: from FSDP1 by changing its ``type`` fails with these rather than "unknown key").
 FSDP1_ONLY_OPTIONS: Dict[str, str] = {
     'backward_prefetch': 'FSDP2 always prefetches the next unit in backward; remove it',
     'forward_prefetch': 'FSDP2 prefetches in forward by itself (explicit order: '
@@ -341,41 +284,34 @@ def resolve_mp_policy(
         value: Union[Mapping[str, Any], MixedPrecisionPolicy, None]) -> MixedPrecisionPolicy:
     """``mixed_precision``: a dict of ``MixedPrecisionPolicy`` fields, or one.
 
-    ``None`` (or ``{}``) computes and reduces in the parameters' own dtype.
+    ``None`` (or ``{}``) computes and reduces in the parameters' own dtype::
 
-    Example::
-
-        mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', output_dtype=None,
-                             cast_forward_inputs=True)
+        mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', cast_forward_inputs=True)
     """
     if value is None:
         return MixedPrecisionPolicy()
     if isinstance(value, MixedPrecisionPolicy):
         return value
     if isinstance(value, MixedPrecision):
-        raise TypeError('model_wrapper_cfg.mixed_precision: '
-                        'got an FSDP1 MixedPrecision; FSDP2 takes a '
+        raise TypeError(f'{_MP_KEY}: got an FSDP1 MixedPrecision; FSDP2 takes a '
                         'MixedPrecisionPolicy or dict(param_dtype=..., reduce_dtype=..., '
                         'output_dtype=..., cast_forward_inputs=...)')
     if not isinstance(value, Mapping):
-        raise TypeError('model_wrapper_cfg.mixed_precision: '
-                        'expected a dict, a MixedPrecisionPolicy or None, '
-                        f'got {type(value).__name__} {value!r}')
+        raise TypeError(f'{_MP_KEY}: expected a dict, a MixedPrecisionPolicy or None, '
+                        f'{_got(value)}')
     for name, instead in _FSDP1_ONLY_MP_KEYS.items():
         if name in value:
-            raise TypeError('model_wrapper_cfg.mixed_precision: '
-                            f'{name!r} is an FSDP1 key that FSDP2 does not '
+            raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
-    return MixedPrecisionPolicy(**resolve_dtypes_and_flags(
-        value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, 'model_wrapper_cfg.mixed_precision'))
+    return MixedPrecisionPolicy(
+        **resolve_dtypes_and_flags(value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, _MP_KEY))
 
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
                            ) -> OffloadPolicy:
     """``offload``: ``dict(cpu_offload=bool, pin_memory=bool)``, a bool, or an ``OffloadPolicy``.
 
-    ``cpu_offload=True`` keeps sharded parameters, gradients and optimizer
-    state on the CPU (``CPUOffloadPolicy``); ``pin_memory`` needs an accelerator.
+    ``pin_memory`` (default ``True``) applies only with ``cpu_offload=True``.
     """
     if isinstance(value, OffloadPolicy):
         return value
@@ -393,11 +329,9 @@ def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, 
 
 
 def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
-    """``reshard_after_forward``: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or an int.
+    """``reshard_after_forward``: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or a group size ≥ 2.
 
-    An int ``n`` reshards to groups of ``n`` ranks after forward; it must be a
-    divisor of the shard group's size other than 1 and the size itself (checked
-    when the mesh exists).
+    The group size must divide the shard group's size (checked once the mesh exists).
     """
     if isinstance(value, bool):
         return value
@@ -408,18 +342,17 @@ def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
                              'use True, False or an int >= 2 that divides the shard group size')
         return value
     raise TypeError('model_wrapper_cfg.reshard_after_forward: expected True, False or an int, '
-                    f'got {type(value).__name__} {value!r}')
+                    f'{_got(value)}')
 
 
 @dataclass(frozen=True)
 class MeshSpec:
     """The data-parallel device mesh: ``replicate`` groups of ``shard`` ranks.
 
-    Each size is a positive int, ``-1`` ("the world size divided by the other"),
-    or, for ``shard``, ``'node'`` (the processes of one node). ``replicate=1``
-    is plain FSDP (a 1-D mesh); ``replicate > 1`` is hybrid sharding (HSDP): a
-    2-D mesh ``('replicate', 'shard')``, parameters sharded within a shard
-    group and replicated across groups.
+    Each size is a positive int, ``-1`` (the rest of the world) or, for ``shard``,
+    ``'node'``; ``replicate > 1`` is hybrid sharding (a 2-D mesh ``('replicate', 'shard')``)::
+
+        model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', mesh=dict(replicate=2, shard='node'))
     """
 
     replicate: int = 1
@@ -473,11 +406,9 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
 
 
 def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bool, bool]:
-    """An FSDP1 ``sharding_strategy`` as FSDP2 options: ``(reshard_after_forward, hybrid)``.
+    """An FSDP1 ``sharding_strategy`` as FSDP2's ``(reshard_after_forward, hybrid)``.
 
-    ``FULL_SHARD`` -> ``(True, False)``, ``SHARD_GRAD_OP`` -> ``(False, False)``,
-    ``HYBRID_SHARD`` -> ``(True, True)``, ``_HYBRID_SHARD_ZERO2`` -> ``(False, True)``;
-    ``hybrid`` asks for a 2-D mesh. ``NO_SHARD`` has no FSDP2 equivalent.
+    ``hybrid`` asks for a 2-D mesh; ``NO_SHARD`` has no FSDP2 equivalent.
     """
     strategy = resolve_sharding_strategy(value)
     if strategy is ShardingStrategy.NO_SHARD:
