@@ -1,14 +1,9 @@
 """Turn a sharded checkpoint directory into one full checkpoint file.
 
-Usage::
+In one process, without a process group; the result is what
+``state_dict_type='full'`` writes (``ema_state_dict`` included)::
 
     python -m mmfsdp.consolidate work_dirs/exp/iter_1000.pth work_dirs/exp/iter_1000_full.pth
-
-Runs in one process, without a process group: ``torch.distributed.checkpoint``
-reads every shard. The result has the format ``state_dict_type='full'`` writes:
-the unwrapped model's keys, a name-keyed optimizer state, ``ema_state_dict``
-when ``EMAHook`` saved one, and nothing that ``torch.load(weights_only=True)``
-rejects.
 """
 import argparse
 import os
