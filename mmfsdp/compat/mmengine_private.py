@@ -1,12 +1,7 @@
-"""The private mmengine API mmfsdp relies on, in one place, each use with its reason.
+"""The private mmengine API mmfsdp relies on, each use with its reason.
 
-mmengine 0.10.7 has no public hook for what the sharded runner must change in
-``Runner.train()``, in ``CheckpointHook`` saving or in ``OptimWrapper``
-clipping. The rest of the package reaches those internals only through the
-names defined here (public names for private steps, small accessors), and
-``tests/test_compat.py`` checks each one against the installed mmengine, so a
-release that renames or reorders one fails the suite instead of training
-differently.
+mmengine 0.10.7 has no public hook for what the sharded runner changes in
+``Runner.train()``, ``CheckpointHook`` saving or ``OptimWrapper`` clipping.
 """
 import contextlib
 import inspect
@@ -67,14 +62,7 @@ def mark_checkpoint_loaded(runner: Runner) -> None:
 
 
 class CheckpointHookSteps(CheckpointHook):
-    """``CheckpointHook`` whose private save steps and state have public names.
-
-    The stock hook calls ``_save_checkpoint_with_step`` for every regular save
-    and from ``_save_best_checkpoint``, and ``_publish_model`` after training;
-    a subclass overrides the public names below. The stock hook's undocumented
-    state (kept steps, file name template, backend, extra save arguments) is
-    read through the accessors.
-    """
+    """``CheckpointHook`` whose private save steps (overridable) and state have public names."""
 
     def _save_checkpoint_with_step(self, runner: Any, step: int, meta: dict) -> None:
         # why: every regular save and save_best's re-save go through this private method
@@ -106,10 +94,7 @@ class CheckpointHookSteps(CheckpointHook):
 
     @property
     def kept_steps(self) -> deque:
-        """The steps of the checkpoints kept under ``max_keep_ckpts``, oldest first.
-
-        Only with ``max_keep_ckpts > 0``, after ``before_train``.
-        """
+        """Steps of the checkpoints kept under ``max_keep_ckpts > 0``, oldest first."""
         return self.keep_ckpt_ids  # why: set up (and restored on resume) by before_train only
 
     @property
@@ -147,11 +132,7 @@ def replace_grad_clipping(wrapper: OptimWrapper, clip: Callable[[], None]) -> No
 
 
 def init_without_amp_checks(wrapper: OptimWrapper, **optim_kwargs: Any) -> None:
-    """``OptimWrapper.__init__`` for an ``AmpOptimWrapper`` subclass that sets the AMP state itself.
-
-    The subclass must then set what mmengine's ``AmpOptimWrapper.__init__``
-    would: ``cast_dtype``, ``loss_scaler`` and :func:`set_fixed_loss_scale`.
-    """
+    """``OptimWrapper.__init__`` for an ``AmpOptimWrapper`` that sets its AMP state itself."""
     OptimWrapper.__init__(wrapper, **optim_kwargs)  # why: AmpOptimWrapper.__init__ asserts CUDA
 
 

@@ -1,9 +1,4 @@
-"""The private torch API mmfsdp relies on, in one place, each use with its reason.
-
-The rest of the package reaches these only through the names defined here;
-``tests/test_compat.py`` checks each one against the installed torch, so a
-release that moves or changes one fails the suite loudly.
-"""
+"""The private torch API mmfsdp relies on, each use with its reason."""
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -26,14 +21,13 @@ from torch.distributed.fsdp._runtime_utils import _reshard
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'DCPNameHook',
-           'FSDP_WRAPPED_MODULE', 'HYBRID_SHARD_ZERO2', 'PRIVATE_INITIALISERS',
-           'TorchDispatchMode', 'apply_activation_checkpointing', 'argument_names',
-           'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors', 'direct_tensor',
-           'direct_tensors', 'fsdp1_reshard_if_gathered', 'initialiser',
-           'operator_name', 'registered_buffers', 'registered_child', 'registered_children',
-           'registered_parameters', 'replace_registered', 'set_fsdp1_gradient_sync',
-           'storage_key', 'written_arguments',
-           'fake_tensor_mode', 'GLOO_WORKER_THREAD', 'gloo_worker_threads']
+           'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2',
+           'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
+           'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors',
+           'direct_tensor', 'direct_tensors', 'fake_tensor_mode', 'fsdp1_reshard_if_gathered',
+           'gloo_worker_threads', 'initialiser', 'operator_name', 'registered_buffers',
+           'registered_child', 'registered_children', 'registered_parameters',
+           'replace_registered', 'set_fsdp1_gradient_sync', 'storage_key', 'written_arguments']
 
 #: The child name torch's FSDP1 gives the module it wraps.
 FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
@@ -43,9 +37,7 @@ CHECKPOINT_WRAPPED_MODULE = '_checkpoint_wrapped_module'
 #: FSDP1's ZeRO-2 within a node, replicated across nodes.
 HYBRID_SHARD_ZERO2 = ShardingStrategy._HYBRID_SHARD_ZERO2  # why: torch names it only privately
 
-
-#: Initialiser names torch modules use besides ``reset_parameters``
-#: (``nn.MultiheadAttention`` and ``nn.Transformer*``: ``_reset_parameters``).
+#: Initialiser names torch modules use besides ``reset_parameters`` (``nn.MultiheadAttention``).
 PRIVATE_INITIALISERS = ('_reset_parameters', )
 
 
@@ -59,11 +51,7 @@ def initialiser(module: nn.Module) -> Optional[Callable[[], None]]:
 
 
 def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
-    """Free an FSDP1 unit's gathered parameters (in use, or kept for the next forward).
-
-    The next forward reuses a gathered buffer that is still allocated instead
-    of gathering the shards again, so it must be freed after a write into them.
-    """
+    """Free an FSDP1 unit's gathered parameters, so a write into the shards is seen next forward."""
     handle = getattr(module, '_handle', None)  # why: FSDP1 keeps its FlatParamHandle privately
     if handle is None or not handle.uses_sharded_strategy:
         return
@@ -76,12 +64,10 @@ def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
 
 
 def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> None:
-    """Whether this FSDP1 unit's next backward reduces gradients.
-
-    FSDP1's own switch is the ``no_sync`` context, read in backward; mmengine
-    leaves that context before it runs backward, so the flag it sets is set here.
-    """
-    module._sync_gradients = sync  # why: the flag FSDP1's no_sync toggles, read in backward
+    """Whether this FSDP1 unit's next backward reduces gradients."""
+    # why: the flag FSDP1's no_sync toggles, read in backward; mmengine leaves no_sync before
+    # it runs backward
+    module._sync_gradients = sync
 
 
 def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
@@ -92,12 +78,9 @@ def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
 
 
 class DCPNameHook:
-    """Mixin for an ``nn.Module`` wrapper whose children DCP should name without a prefix.
+    """Mixin for an ``nn.Module`` wrapper whose children DCP names without a prefix.
 
-    ``torch.distributed.checkpoint.state_dict`` maps each state-dict key to a
-    module path and strips only the components a module lists in its
-    ``_fqn_modifiers()``; the subclass lists them in
-    :meth:`dropped_name_components`.
+    The subclass lists the name components to drop in :meth:`dropped_name_components`.
     """
 
     def _fqn_modifiers(self) -> Dict[str, str]:
@@ -194,16 +177,8 @@ GLOO_WORKER_THREAD = 'pt_gloo_runloop'
 
 
 def gloo_worker_threads() -> List[int]:
-    """The thread ids of this process's gloo worker threads (Linux; elsewhere none).
-
-    Why private: torch exposes neither the threads nor a way to wait for them.
-    A gloo worker releases each finished collective after the caller's
-    ``wait()`` has returned; the release drops tensors and so takes the GIL.
-    Taken during the interpreter's finalization, the GIL ends the thread by
-    ``pthread_exit``, whose unwinding through a C++ destructor aborts the
-    process (SIGABRT, "terminate called without an active exception"):
-    pytorch/pytorch#190489. The threads are found by the name torch gives them.
-    """
+    """The thread ids of this process's gloo worker threads (Linux; elsewhere none)."""
+    # why: torch exposes neither the threads nor a way to wait for them; found by their name
     task_dir = f'/proc/{os.getpid()}/task'
     if not os.path.isdir(task_dir):
         return []

@@ -1,12 +1,4 @@
-"""mmfsdp's release, and the torch versions it runs on, checked when the package is imported.
-
-The floor is set by the newest torch API in use: FSDP2's
-``fully_shard(reshard_after_forward=None)`` on the root (torch 2.8), DCP's
-``_fqn_modifiers`` hook that maps :class:`mmfsdp.MMFullyShard`'s names (2.7)
-and ``torch.accelerator.current_accelerator(check_available=True)`` (2.7).
-Failing at import with the version needed beats a ``TypeError`` deep inside
-the first training step.
-"""
+"""mmfsdp's release, and the oldest torch it runs on, checked when the package is imported."""
 import re
 from typing import Tuple
 
