@@ -57,6 +57,9 @@ ARMS = [(strategy, setting) for strategy in CONFIGS for setting in SETTINGS]
 MiB = 1 << 20
 #: Where ``main`` writes by default and :mod:`benchmarks.report` reads the section from.
 RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'allocator.json')
+#: Runs of FSDP1 arms under allocator settings beyond the launch's (``--setting``), for the
+#: section's "what else was tried" table.
+SETTINGS_RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'allocator_settings.json')
 #: The model of the floor jobs: what a job's peak holds whatever the model (~0.1M parameters).
 FLOOR_MODEL = 'gpt-tiny'
 #: Variables that choose or tune a process's allocator: none leaks in from the caller.
@@ -312,6 +315,39 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         + (f" ({data['machine_use']})" if data.get('machine_use') else '') + '.', '']
     lines += report(data).split('\n') + ['']
     lines += _reading(data)
+    tried = settings_lines()
+    if tried:
+        lines += ['**What else was tried** (`benchmarks/results/allocator_settings.json`: runs '
+                  'of the FSDP1 FULL_SHARD arm only, N = 2, no floor, beside the glibc arm of the '
+                  "same round; the settings' variables go to the launch's environment with "
+                  '`--setting`; medians over the measured iterations, worst rank):', ''] + tried
+        lines.append('')
+    return lines
+
+
+def settings_lines(path: str = SETTINGS_RESULTS) -> List[str]:
+    """Per run and setting: FSDP1's peak above baseline, CPU and wall time per step, and the
+    ratios of those times to the glibc arm's of the same round."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        runs = json.load(f)['runs']
+    lines = ['| run | round | load | setting | variables | FSDP1 peak MiB | CPU s per step | '
+             "CPU / glibc's | wall s per step | wall / glibc's |",
+             '|---|---|---|---|---|---|---|---|---|---|']
+    for run in runs:
+        for r in run['results']:
+            glibc = next((g for g in run['results'] if g['round'] == r['round']
+                          and g['setting'] == GLIBC), None)
+            ratio = {key: (f"{_median(r[key]) / _median(glibc[key]):.2f}"
+                           if glibc and r is not glibc else '—')
+                     for key in ('step_cpu_s', 'step_time_s')}
+            variables = ', '.join(f'`{k}={v}`' for k, v in r.get('env', {}).items()) or '—'
+            lines.append(
+                f"| {run['run']} | {r['round']} | {r['load_before']:.1f} | {r['setting']} | "
+                f"{variables} | {_median(r['peak_bytes']) / MiB:,.0f} | "
+                f"{_median(r['step_cpu_s']):.2f} | {ratio['step_cpu_s']} | "
+                f"{_median(r['step_time_s']):.2f} | {ratio['step_time_s']} |")
     return lines
 
 

@@ -22,22 +22,28 @@ MEMORY_KINDS = frozenset({'memory', 'construction', 'checkpoint', 'accumulation'
 #: freed heap memory often stays resident). 1 MiB keeps every parameter-sized tensor
 #: exact while small temporaries stay on the fast heap path.
 MMAP_THRESHOLD = 1 << 20
+#: Variables that choose or tune the malloc of a job: none is inherited from the caller.
+ALLOCATOR_VARIABLES = ('LD_PRELOAD', 'MALLOC_CONF', 'MALLOC_MMAP_THRESHOLD_', 'GLIBC_TUNABLES',
+                       'TCMALLOC_RELEASE_RATE', 'TCMALLOC_AGGRESSIVE_DECOMMIT',
+                       'MMFSDP_CPU_ALLOCATOR')
 
 
-def preload_for(cpu_allocator: str) -> str:
-    """The ``LD_PRELOAD`` the launch scripts set for ``MMFSDP_CPU_ALLOCATOR=cpu_allocator``.
+def preload_for(cpu_allocator: str) -> Dict[str, str]:
+    """The variables the launch scripts set for ``MMFSDP_CPU_ALLOCATOR=cpu_allocator``:
+    ``LD_PRELOAD`` and the allocator's own settings, if they set any.
 
     Runs their own chooser (``tools/cpu_allocator.sh``); an allocator that is not
     installed is an error, with the chooser's message.
     """
-    env = {k: v for k, v in os.environ.items() if k != 'LD_PRELOAD'}
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
     env['MMFSDP_CPU_ALLOCATOR'] = cpu_allocator
     chooser = os.path.join(REPO, 'tools', 'cpu_allocator.sh')
-    proc = subprocess.run(['bash', '-c', 'source "$1" && printf %s "${LD_PRELOAD:-}"', 'bash',
-                           chooser], env=env, capture_output=True, text=True)
+    proc = subprocess.run(['bash', '-c', 'source "$1" && env -0', 'bash', chooser], env=env,
+                          capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr.strip())
-    return proc.stdout
+    chosen = dict(item.split('=', 1) for item in proc.stdout.split('\0') if '=' in item)
+    return {k: v for k, v in chosen.items() if k in ALLOCATOR_VARIABLES and v}
 
 
 class JobFailed(RuntimeError):
@@ -61,10 +67,10 @@ def torchrun(cases: List[Dict[str, Any]], nproc: int, timeout: float = 1200,
         exact_allocator = any(c['kind'] in MEMORY_KINDS for c in cases)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get('PYTHONPATH')) if p))
-    for name in ('MALLOC_MMAP_THRESHOLD_', 'LD_PRELOAD', 'MALLOC_CONF'):
+    for name in ALLOCATOR_VARIABLES:
         env.pop(name, None)
     if cpu_allocator != 'glibc':
-        env['LD_PRELOAD'] = preload_for(cpu_allocator)
+        env.update(preload_for(cpu_allocator))
         exact_allocator = False
     elif exact_allocator:
         env['MALLOC_MMAP_THRESHOLD_'] = str(MMAP_THRESHOLD)

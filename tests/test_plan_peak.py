@@ -243,7 +243,7 @@ def test_fit_memory_lists_what_fits_cheapest_first(capsys, monkeypatch):
 def _installed(cpu_allocator):
     from benchmarks.launch import preload_for
     try:
-        return bool(preload_for(cpu_allocator))
+        return cpu_allocator in preload_for(cpu_allocator)['LD_PRELOAD']
     except RuntimeError:
         return False
 
