@@ -1,21 +1,15 @@
 """``AmpOptimWrapper``: mixed-precision training on any device, shard-aware loss scaling.
 
-mmengine's ``AmpOptimWrapper`` asserts CUDA, and its ``GradScaler`` looks for
-inf/nan in the local gradients only. Under FSDP1 each rank holds a different
-shard of the gradients, so one rank could skip a step that the others take and
-the replicas diverge. Here autocast and the scaler follow the device, and once
-``FSDPRunner`` has wrapped a model that holds FSDP1 units (one root, or one root
-per child for a model with its own steps) the scaler becomes torch's
-``ShardedGradScaler``, which agrees on inf/nan across ranks. FSDP2 (DTensor
-gradients) and DDP (replicated gradients) use ``torch.amp.GradScaler``.
-
+mmengine's wrapper asserts CUDA, and its scaler looks for inf/nan in the local
+gradients only: under FSDP1 one rank could skip a step the others take. Here
+autocast and the scaler follow the device, and FSDP1 gets ``ShardedGradScaler``.
 Config (what ``tools/train.py --amp`` selects)::
 
     optim_wrapper = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
                          optimizer=dict(type='AdamW', lr=1e-3))
 """
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
 
 import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
@@ -39,24 +33,10 @@ _STOCK_DTYPES = {name: getattr(torch, name) for name in MMEngineAmpOptimWrapper.
 
 
 def _cast_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
-    """The autocast dtype: mmengine's names as mmengine converts them, then mmfsdp's aliases.
-
-    As with mmengine's wrapper, the dtype goes to ``torch.autocast`` as it is:
-    where the device's autocast does not support it (``float32`` / ``float64``
-    on the CPU), torch runs autocast disabled, so the model's own dtype is used.
-    """
+    """The autocast dtype: mmengine's names as mmengine converts them, then mmfsdp's aliases."""
     if isinstance(dtype, str) and dtype in _STOCK_DTYPES:
         return _STOCK_DTYPES[dtype]
     return resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
-
-
-def _fsdp1_unit(model: nn.Module) -> Optional[FullyShardedDataParallel]:
-    """The outermost FSDP1 unit in ``model`` (the model itself, or a child's root); ``None``.
-
-    Found by walking the modules, so a wrapper holding one FSDP1 root per child
-    (a model with its own ``train_step``) counts as sharded as well.
-    """
-    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -64,14 +44,10 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
     """mmengine's ``AmpOptimWrapper`` (same arguments), on CPU and accelerators.
 
     Args:
-        loss_scale: ``'dynamic'``, a fixed scale (float), or a dict of
-            ``GradScaler`` arguments (``init_scale``, ``growth_interval`` ...).
-        dtype: Autocast dtype: mmengine's ``'float16'`` (default), ``'bfloat16'``,
-            ``'float32'``, ``'float64'`` (autocast disabled where the device does
-            not support the dtype, as torch does), mmfsdp's aliases
-            (``'fp16'``, ``'bf16'`` ...) or a ``torch.dtype``.
-        **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``,
-            ``accumulative_counts``).
+        loss_scale: ``'dynamic'``, a fixed scale, or a dict of ``GradScaler`` arguments.
+        dtype: Autocast dtype: mmengine's names (default ``'float16'``), mmfsdp's
+            aliases (``'bf16'`` ...) or a ``torch.dtype``.
+        **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad`` ...).
 
     """
 
@@ -97,14 +73,11 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
         self.loss_scaler = torch.amp.GradScaler(self._device.type, **self._scaler_kwargs)
 
     def bind_model(self, model: nn.Module) -> None:
-        """Use a scaler that suits how ``model`` holds its gradients.
+        """After wrapping: a model holding FSDP1 units gets a ``ShardedGradScaler`` (state kept).
 
-        Called by ``FSDPRunner`` after wrapping; the scaler's state is kept.
-        A model holding FSDP1 units gets a ``ShardedGradScaler`` over the
-        outermost unit's group: every rank then skips a step on inf/nan in any
-        rank's gradient shard, and the scales stay equal.
+        Its group is the outermost unit's, so every rank skips a step on inf/nan in any shard.
         """
-        unit = _fsdp1_unit(model)
+        unit = next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
         if unit is not None and not isinstance(self.loss_scaler, ShardedGradScaler):
             scaler = ShardedGradScaler(self._device.type, process_group=unit.process_group,
                                        **self._scaler_kwargs)
@@ -129,13 +102,10 @@ def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
 
 
 def replace_stock_amp(optim_wrapper: Any) -> Tuple[Any, List[str]]:
-    """An ``optim_wrapper`` config with mmengine's ``AmpOptimWrapper`` replaced by this one.
+    """A copy of an ``optim_wrapper`` config with mmengine's ``AmpOptimWrapper`` replaced by ours.
 
-    Third-party ``tools/train.py --amp`` sets ``type='AmpOptimWrapper'``, which
-    in mmengine's scope is the CUDA-only wrapper. Returns a copy (the caller's
-    config is not changed) and the config keys that were replaced; per-optimizer
-    dicts of a multi-optimizer config are replaced too. ``use_fsdp`` is dropped:
-    the scaler follows the wrapped model by itself (:meth:`AmpOptimWrapper.bind_model`).
+    Also in per-optimizer dicts; ``use_fsdp`` is dropped. Returns the config and the
+    replaced keys.
     """
     if not isinstance(optim_wrapper, Mapping):
         return optim_wrapper, []

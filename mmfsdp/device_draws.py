@@ -1,21 +1,9 @@
 """Random initialisers of a model staged on the CPU draw from the training device's generator.
 
-FSDP1 on an accelerator keeps the full model on the CPU until it moves it to
-the device unit by unit (:meth:`mmfsdp.protocol.ParallelWrapper.stages_on_cpu`),
-so the runner's ``init_weights()`` sees CPU tensors. mmengine's stock Runner
-moves the model to the device first and initialises it there, where
-``normal_`` / ``uniform_`` / ... draw from the device's generator (CUDA's
-Philox), not the CPU's (Mersenne Twister): same seed, other numbers, so the
-sharded run would start from other weights than the one-process run.
-
-Inside :func:`draws_on`, an in-place random fill of one of the model's
-tensors is drawn on the device into a temporary of the same shape, strides
-and dtype, then copied back. The weights, and the device generator's state
-afterwards, are those of initialising on the device; the CPU generator is
-left as it would be; the device holds one tensor at a time. Random fills of
-other tensors (temporaries an initialiser makes on the CPU) are left alone,
-as they would be on the device. Exact for fills of whole tensors and of
-dense views (the usual ``nn.init`` / ``mmengine.model.weight_init`` calls).
+FSDP1 on an accelerator initialises the model on the CPU, where ``normal_`` and
+friends would draw other numbers than the stock Runner does on the device. Inside
+:func:`draws_on`, each random fill of the model's tensors is drawn on the device
+and copied back, so the weights match a one-process run::
 
     with draws_on(torch.device('cuda', 0), model):
         model.init_weights()
@@ -70,9 +58,8 @@ def draws_on(device: torch.device, model: nn.Module,
              generator: Optional[torch.Generator] = None) -> Iterator[_DrawOnDevice]:
     """Within, random fills of ``model``'s parameters and buffers draw on ``device``.
 
-    ``generator`` (one of ``device``'s) replaces the device's default
-    generator; tests use it to tell the draws apart on a CPU-only machine.
-    Yields the mode, whose ``redirected`` counts the fills it drew.
+    ``generator`` replaces the device's default one. Yields the mode; ``redirected``
+    counts the fills it drew.
     """
     storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())
                 if t.numel() > 0}

@@ -1,14 +1,13 @@
 """The unwrapped model's name of a wrapped model's parameter, by the wrappers' own prefixes.
 
-Wrapping inserts path components between the model and its parameters: DDP
-and mmengine-style wrappers hold the model as their child ``module``, FSDP1 as
-``_fsdp_wrapped_module`` and activation checkpointing as
-``_checkpoint_wrapped_module``. A component is dropped only where the module
-that owns it is such a wrapper, so a model's own child called ``module``
-(``BaseTTAModel.module``, containers, user code) keeps its name.
+A component is dropped only where the module that owns it is a wrapper (DDP and
+mmengine-style ``module``, FSDP1's ``_fsdp_wrapped_module``, activation
+checkpointing's ``_checkpoint_wrapped_module``), so a model's own child called
+``module`` keeps its name.
 """
 from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
+import torch
 from mmengine.model import is_model_wrapper
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -24,17 +23,12 @@ from .compat import (
     registered_parameters,
 )
 
-__all__ = ['for_tta_model', 'model_state_names', 'module_tree', 'unwrapped_name',
+__all__ = ['for_tta_model', 'module_tree', 'unwrapped_name', 'unwrapped_named_buffers',
            'unwrapped_named_parameters', 'unwrapped_param_names']
 
 
-
 def unwrapped_name(model: nn.Module, name: str) -> str:
-    """``name``, a path in the (possibly wrapped) ``model``, without the wrappers' components.
-
-    ``name`` is a path through the modules' children (``_modules``), every
-    component present, as :func:`module_tree` spells it.
-    """
+    """``name``, a path through ``model``'s registered children, without the wrappers' parts."""
     *path, leaf = name.split('.')
     kept = []
     module = model
@@ -46,11 +40,9 @@ def unwrapped_name(model: nn.Module, name: str) -> str:
 
 
 def module_tree(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """``(path, module)`` of every module, by the children each holds (``_modules``).
+    """``(path, module)`` of every module by its registered children.
 
-    As ``nn.Module.named_modules`` is by default; not that method itself, which
-    a wrapper may override to report the unwrapped model's names
-    (:class:`mmfsdp.wrappers.holder.ModelHolder`).
+    Not ``named_modules``, which a wrapper may override to report the unwrapped names.
     """
     seen: Set[int] = set()
     stack = [('', model)]
@@ -65,20 +57,24 @@ def module_tree(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
         stack.extend(reversed(children))
 
 
-def _tree_members(model: nn.Module, kind: Callable[[nn.Module], List[Tuple[str, Any]]]
-                  ) -> Iterator[Tuple[str, Any]]:
+def _unwrapped_members(model: nn.Module, kind: Callable[[nn.Module], List[Tuple[str, Any]]]
+                       ) -> Iterator[Tuple[str, Any]]:
     seen: Set[int] = set()
     for path, module in module_tree(model):
         for name, tensor in kind(module):
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
-                yield (f'{path}.{name}' if path else name), tensor
+                yield unwrapped_name(model, f'{path}.{name}' if path else name), tensor
 
 
 def unwrapped_named_parameters(model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every parameter, named as in the unwrapped model."""
-    for name, param in _tree_members(model, registered_parameters):
-        yield unwrapped_name(model, name), param
+    return _unwrapped_members(model, registered_parameters)
+
+
+def unwrapped_named_buffers(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of every buffer, named as in the unwrapped model."""
+    return _unwrapped_members(model, registered_buffers)
 
 
 def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
@@ -86,18 +82,11 @@ def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in unwrapped_named_parameters(model)}
 
 
-def model_state_names(model: nn.Module) -> Set[str]:
-    """The names of the parameters and buffers of ``model``, as the unwrapped model's."""
-    buffers = (unwrapped_name(model, n) for n, _ in _tree_members(model, registered_buffers))
-    return set(unwrapped_param_names(model).values()).union(buffers)
-
-
 def for_tta_model(state: Dict[str, Any], names: Set[str]) -> Dict[str, Any]:
     """``state`` of a plain model, keyed for a ``BaseTTAModel`` around it if that is the model.
 
-    ``names`` are the model's (:func:`model_state_names`). mmengine's loader
-    treats ``BaseTTAModel`` as transparent: a checkpoint of the plain model
-    loads into its ``module``.
+    ``names`` are the model's; mmengine loads a plain model's checkpoint into a TTA model's
+    ``module``.
     """
     if any(k in names for k in state) or not any(f'module.{k}' in names for k in state):
         return state
