@@ -107,3 +107,27 @@ def test_forked_data_workers_pay_nothing_for_the_preloaded_allocator(tmp_path):
     # a worker's own pages move by about a MiB from run to run; a cache that a worker
     # inherits and never drains costs it hundreds (issue 25: 1,182 vs 435 MiB in all)
     assert mine <= theirs + max(0.10 * theirs, 4 << 20), (jemalloc, glibc)
+
+
+def test_on_the_cpu_the_runner_registers_the_stock_runners_hooks(tmp_path):
+    """No hook of mmfsdp's own for the allocator (issue 25, 6.5): the hooks of an FSDPRunner
+    training on the CPU are the stock Runner's, in the same order and priorities (its
+    CheckpointHook is mmfsdp's subclass of the stock one)."""
+    from mmengine.config import Config
+    from mmengine.hooks import CheckpointHook
+    from mmengine.runner import Runner
+
+    from mmfsdp import FSDPRunner
+    hooks = []
+    for runner_cls in (Runner, FSDPRunner):
+        cfg = Config.fromfile(os.path.join(REPO, 'configs', 'gpt-nano_ddp_2xcpu.py'))
+        cfg.work_dir, cfg.launcher = str(tmp_path / runner_cls.__name__), 'none'
+        cfg.pop('runner_type', None)
+        cfg.pop('model_wrapper_cfg', None)  # one process: no wrapper either way
+        runner = runner_cls.from_cfg(cfg)
+        assert runner.model.parameters().__next__().device.type == 'cpu'
+        hooks.append([(h, h.priority) for h in runner.hooks])
+    stock, mine = hooks
+    assert [p for _, p in mine] == [p for _, p in stock]
+    for (m, _), (s, _) in zip(mine, stock):
+        assert isinstance(m, type(s)) and (type(m) is type(s) or isinstance(s, CheckpointHook))
