@@ -1,29 +1,14 @@
 """Starting and leaving a distributed process, on CPU-only machines too.
 
-mmengine's ``init_dist`` calls ``torch.cuda.set_device`` unconditionally and
-defaults to NCCL, so a CPU-only machine cannot start a distributed run. Here
-the device and the backend come from the environment: the accelerator torch
-can use (CUDA, XPU, ...) picked by ``LOCAL_RANK``, else the CPU; the backend is
-torch's default for that device (NCCL on CUDA, gloo on CPU) unless the config
-names one. When the parameters are offloaded to the CPU on an accelerator,
-the group gets a CPU backend as well (``'cpu:gloo,cuda:nccl'``): offloaded
-gradients are CPU tensors, and clipping and loss scaling reduce over them.
+mmengine's ``init_dist`` calls ``torch.cuda.set_device`` and defaults to NCCL,
+so a CPU-only machine cannot start. Here the device is the usable accelerator
+picked by ``LOCAL_RANK``, else the CPU, and the backend torch's default for it
+(plus gloo for offloaded CPU tensors) unless ``env_cfg.dist_cfg`` names one.
+Launch mistakes are refused on every rank before the group starts.
 
-The selection is made of pure functions (:func:`select_device`,
-:func:`select_backend`) of what the environment reports, so that it can be
-checked on any machine. Launch mistakes are refused on every rank before the
-group starts (:func:`check_launcher`, :func:`check_backend`): ``launcher='none'``
-under torchrun (N jobs training alone into one ``work_dir``), NCCL without CUDA.
-
-Leaving: a finished gloo job could abort at exit (SIGABRT, "terminate called
-without an active exception"): a gloo worker releases a finished collective
-after ``wait()`` returned, and if the interpreter is finalizing by then,
-Python ends that thread mid-destructor (pytorch/pytorch#190489).
-:func:`shutdown_distributed` destroys every group and waits until the
-remaining gloo workers are idle; ``FSDPRunner`` registers it at exit when it
-started the group, and the wrappers register :func:`settle_gloo_workers`
-(:func:`teardown_at_exit`) so a model wrapped by mmengine's stock Runner or by
-hand is covered too. See ``docs/`` for the measurements.
+Leaving: :func:`shutdown_distributed` destroys every group and waits until
+gloo's worker threads are idle, so a finished job does not abort in the
+interpreter's finalization (pytorch/pytorch#190489; ``docs/internals.md``).
 """
 import atexit
 import datetime
@@ -77,12 +62,7 @@ def check_backend(backend: Any) -> None:
 
 
 def select_device(accelerator: Optional[str], device_count: int, local_rank: int) -> torch.device:
-    """The training device: accelerator ``local_rank % device_count``, or the CPU.
-
-    ``accelerator`` is the type of an accelerator that is usable now (``None``
-    when there is none); ``device_count`` how many are visible. A build of
-    torch for an accelerator on a machine without one reports 0 devices.
-    """
+    """Accelerator ``local_rank % device_count`` of a usable ``accelerator`` type, or the CPU."""
     if accelerator is None or accelerator == 'cpu' or device_count < 1:
         return torch.device('cpu')
     return torch.device(accelerator, local_rank % device_count)
@@ -99,11 +79,7 @@ def current_device() -> torch.device:
 
 
 def set_current_device() -> torch.device:
-    """Make this process's accelerator the current one (no-op on the CPU); return the device.
-
-    Collectives that pick "the current device" (NCCL barriers, mmengine's
-    broadcasts) would otherwise all run on device 0.
-    """
+    """Make this process's accelerator current (else NCCL barriers run on device 0)."""
     device = current_device()
     if device.type != 'cpu':
         torch.accelerator.set_device_index(device.index)
@@ -116,12 +92,7 @@ def default_backend(device: torch.device) -> str:
 
 
 def select_backend(device: torch.device, offload: bool, configured: Optional[str] = None) -> str:
-    """The process group's backend for training on ``device``.
-
-    ``configured`` (``env_cfg.dist_cfg.backend``) wins when given. Otherwise
-    the device's default backend, plus gloo for CPU tensors when ``offload``
-    (parameters and gradients offloaded to the CPU) on an accelerator.
-    """
+    """``configured`` if given, else the device's backend (plus gloo when ``offload``)."""
     if configured:
         return configured
     backend = default_backend(device)
@@ -131,10 +102,7 @@ def select_backend(device: torch.device, offload: bool, configured: Optional[str
 
 
 def local_world_size() -> Optional[int]:
-    """``LOCAL_WORLD_SIZE``: how many processes run on this node (``None`` when unset).
-
-    torchrun sets it; :func:`init_distributed` exports it for Slurm and MPI.
-    """
+    """``LOCAL_WORLD_SIZE``, the processes on this node (``None`` when unset)."""
     value = os.environ.get('LOCAL_WORLD_SIZE')
     if not value:
         return None
@@ -144,10 +112,7 @@ def local_world_size() -> Optional[int]:
 
 
 def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """How many tasks node ``node_id`` runs, from ``SLURM_TASKS_PER_NODE``.
-
-    The variable lists counts per node, compressed: ``'4(x2),3'`` is 4, 4, 3.
-    """
+    """Node ``node_id``'s task count in ``SLURM_TASKS_PER_NODE`` (``'4(x2),3'``: 4, 4, 3)."""
     counts = []
     for part in tasks_per_node.split(','):
         match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
@@ -158,11 +123,7 @@ def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 def export_launcher_env(launcher: str, env: MutableMapping[str, str]) -> None:
-    """Translate the variables of ``slurm`` / ``mpi`` into torchrun's, in ``env``.
-
-    Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` where they are not set already.
-    """
+    """Set torchrun's variables in ``env`` from Slurm's / Open MPI's, where unset."""
     if launcher == 'slurm':
         env.setdefault('RANK', env['SLURM_PROCID'])
         env.setdefault('WORLD_SIZE', env['SLURM_NTASKS'])
@@ -233,12 +194,10 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
 
 def _restart_safe_store(world_size: int,
                         timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
-    """A store namespaced by torchrun's restart count, when workers share the agent's.
+    """Torchrun's agent store, namespaced by restart count.
 
-    torchrun's workers connect to the agent's TCPStore, which outlives a
-    restart; without a namespace per attempt, a restarted rank can read a
-    peer's address from the previous attempt and fail to connect (seen with
-    gloo: "connectFullMesh failed ... Connection refused").
+    A restarted rank must not read a peer's address from the previous attempt
+    (gloo's "connectFullMesh failed").
     """
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
@@ -266,14 +225,10 @@ def _activity(tid: int) -> Optional[Tuple[str, int, int]]:
 
 
 def settle_gloo_workers(timeout: float = 5.0) -> bool:
-    """Wait until every gloo worker thread of this process is idle; whether they all are.
+    """Wait until every gloo worker thread is idle; ``False`` if ``timeout`` passes first.
 
-    Idle: blocked (sleeping), and not switched in even once over
-    :data:`QUIET_S` while this thread sleeps without the GIL, so a worker
-    that still had a release to finish, and needed the CPU or the GIL for
-    it, would have run. Returns at once when no worker is left (every group
-    destroyed and unreferenced), and ``False`` when ``timeout`` passes first
-    (a collective still in flight).
+    Idle: sleeping, and not switched in once over :data:`QUIET_S` while this
+    thread sleeps without the GIL (a worker with a release left would have run).
     """
     deadline = time.monotonic() + timeout
     before: Dict[int, Optional[Tuple[str, int, int]]] = {}
@@ -289,11 +244,7 @@ def settle_gloo_workers(timeout: float = 5.0) -> bool:
 
 
 def shutdown_distributed(timeout: float = 5.0) -> bool:
-    """Destroy every process group, then :func:`settle_gloo_workers`; whether they settled.
-
-    Call it last in a process that used ``torch.distributed``: after it, no
-    collective can run. Safe to call when no group exists.
-    """
+    """Destroy every process group, then :func:`settle_gloo_workers`; call it last."""
     if dist.is_initialized():
         dist.destroy_process_group()
     return settle_gloo_workers(timeout)
@@ -324,14 +275,9 @@ def registered_at_exit() -> List[str]:
 
 
 def teardown_at_exit() -> None:
-    """What a wrapper calls when it is built: its gloo workers idle before the interpreter exits.
+    """What a wrapper calls when built: settle gloo's workers at exit (once).
 
-    Registers :func:`settle_gloo_workers` unless a teardown is registered
-    already (``FSDPRunner``'s :func:`shutdown_distributed`, which settles too,
-    or an earlier wrapper's); idempotent. No group is destroyed: the stock
-    Runner, or the script that started the group, owns it, and may still use
-    it in its own exit handlers. Registered at exit by the wrapper, it runs
-    before any exit handler registered earlier (``atexit`` runs in reverse).
+    Destroys no group: the stock Runner, or the caller, owns it.
     """
     if not _AT_EXIT:
         settle_at_exit()
