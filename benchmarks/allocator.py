@@ -409,7 +409,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "launch's environment, e.g. 'jemalloc bg={\"MALLOC_CONF\": "
                              "\"background_thread:true\"}'")
     parser.add_argument('--no-floor', action='store_true',
-                        help='skip the gpt-tiny floor jobs (an --append run that has them)')
+                        help='skip the gpt-tiny floor jobs (by default each arm and N gets one, '
+                             'unless the results already have it)')
     parser.add_argument('--append', action='store_true',
                         help='add rounds to the results already in --out')
     parser.add_argument('--out', default=RESULTS)
@@ -434,10 +435,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         data['machine_use'] = args.machine_use
     for _ in range(args.rounds):
         for n in args.world_sizes:
-            has_floor = any(r['round'] == 'floor' and r['world_size'] == n
-                            for r in data['results'])
-            if not (args.no_floor or has_floor) and args.model != FLOOR_MODEL:
-                for strategy, setting in arms:  # the floor: what no model adds
+            floored = {(r['strategy'], r['setting']) for r in data['results']
+                       if r['round'] == 'floor' and r['world_size'] == n}
+            if not args.no_floor and args.model != FLOOR_MODEL:
+                for strategy, setting in [a for a in arms if a not in floored]:
+                    # the floor: what no model adds, once per arm and N
                     print(f'floor N={n} {strategy} / {setting}', file=sys.stderr, flush=True)
                     result = run_job(strategy, setting, n, FLOOR_MODEL, args.batch_size,
                                      args.seq_len, args.warmup, args.steps, settings=settings)
