@@ -73,10 +73,7 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
         self.loss_scaler = torch.amp.GradScaler(self._device.type, **self._scaler_kwargs)
 
     def bind_model(self, model: nn.Module) -> None:
-        """After wrapping: a model holding FSDP1 units gets a ``ShardedGradScaler`` (state kept).
-
-        Its group is the outermost unit's, so every rank skips a step on inf/nan in any shard.
-        """
+        """After wrapping: with FSDP1 units, a ``ShardedGradScaler`` over the outermost's group."""
         unit = next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
         if unit is not None and not isinstance(self.loss_scaler, ShardedGradScaler):
             scaler = ShardedGradScaler(self._device.type, process_group=unit.process_group,
@@ -102,10 +99,9 @@ def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
 
 
 def replace_stock_amp(optim_wrapper: Any) -> Tuple[Any, List[str]]:
-    """A copy of an ``optim_wrapper`` config with mmengine's ``AmpOptimWrapper`` replaced by ours.
+    """A copy of ``optim_wrapper`` with mmengine's ``AmpOptimWrapper`` replaced; the keys replaced.
 
-    Also in per-optimizer dicts; ``use_fsdp`` is dropped. Returns the config and the
-    replaced keys.
+    Per-optimizer dicts are replaced too; ``use_fsdp`` is dropped.
     """
     if not isinstance(optim_wrapper, Mapping):
         return optim_wrapper, []

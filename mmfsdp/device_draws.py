@@ -56,10 +56,9 @@ class _DrawOnDevice(TorchDispatchMode):
 @contextlib.contextmanager
 def draws_on(device: torch.device, model: nn.Module,
              generator: Optional[torch.Generator] = None) -> Iterator[_DrawOnDevice]:
-    """Within, random fills of ``model``'s parameters and buffers draw on ``device``.
+    """Within, random fills of ``model``'s tensors draw on ``device`` (or from ``generator``).
 
-    ``generator`` replaces the device's default one. Yields the mode; ``redirected``
-    counts the fills it drew.
+    Yields the mode; its ``redirected`` counts the fills it drew.
     """
     storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())
                 if t.numel() > 0}

@@ -49,11 +49,8 @@ def ema_bytes_per_rank(model: nn.Module, update_buffers: bool = False) -> int:
 
 
 def reshard(model: nn.Module) -> None:
-    """Put every FSDP unit of ``model`` back into its sharded state (no-op elsewhere).
-
-    Units stay gathered after a forward (the root, or all under ZeRO-2), and a write
-    into the shards would be hidden behind the gathered tensors.
-    """
+    """Put every FSDP unit of ``model`` back into its sharded state (no-op elsewhere)."""
+    # why: units stay gathered after a forward (the root; all under ZeRO-2), hiding the shards
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -117,10 +114,7 @@ def _fits(averaged: Dict[str, torch.Tensor], sources: Dict[str, torch.Tensor]) -
 
 
 class _LocalShards:
-    """What ``BaseAveragedModel.update_parameters`` reads of the source model: local pieces.
-
-    Buffers come in the order of the averaged module's own, which it pairs them with.
-    """
+    """The source model as ``update_parameters`` reads it: local pieces, buffers in its order."""
 
     def __init__(self, model: nn.Module, averaged: nn.Module, update_buffers: bool) -> None:
         self.tensors = _source_tensors(model, update_buffers)
@@ -139,11 +133,7 @@ class _LocalShards:
 
 def full_ema_entries(state_dict: Dict[str, Any], averaged: Dict[str, Any],
                      steps: torch.Tensor) -> Dict[str, Any]:
-    """``state_dict`` / ``ema_state_dict`` of a full checkpoint, as mmengine's hook writes them.
-
-    ``state_dict`` is the trained model's full state, ``averaged`` the same keys with the
-    averaged weights; the result's ``state_dict`` deploys the averaged weights.
-    """
+    """``state_dict`` (averaged) / ``ema_state_dict`` (trained) as mmengine's hook writes them."""
     ema_state = {'steps': steps.detach().clone().cpu()}
     ema_state.update({_PREFIX + k: state_dict[k] for k in averaged})
     return dict(state_dict=dict(state_dict, **averaged), ema_state_dict=ema_state)
@@ -181,8 +171,7 @@ class EMAHook(MMEngineEMAHook):
     def before_run(self, runner: Any) -> None:
         """Set ``src_model``; build ``ema_model`` as the stock hook does on one process.
 
-        Under several processes the model is wrapped later: ``ema_model`` starts around
-        an empty module, replaced once the model is wrapped.
+        Under several processes ``ema_model`` starts empty, filled once the model is wrapped.
         """
         self.src_model = _unwrapped(runner.model)
         self._model, self._averaged = None, {}
@@ -209,10 +198,7 @@ class EMAHook(MMEngineEMAHook):
         return out
 
     def _materialise(self, runner: Any) -> None:
-        """Fill ``ema_model.module`` from the model's local pieces, once the model is wrapped.
-
-        The module is kept (and written in place) when it fits the pieces; else built anew.
-        """
+        """Fill ``ema_model.module`` (in place if it fits) from the wrapped model's pieces."""
         if self._model is runner.model:
             return
         wraps_ours = self._model is not None and any(
@@ -285,10 +271,7 @@ class EMAHook(MMEngineEMAHook):
     # ---- checkpoints: the averaged weights swapped into the model, its state taken -------
 
     def averaged_state_dict(self, runner: Any, full: bool = True) -> Dict[str, Any]:
-        """The averaged model's state dict, keyed like the unwrapped model's (collective).
-
-        ``full``: gathered tensors on every rank; else this rank's shards, as DCP saves them.
-        """
+        """The averaged model's state dict (collective): gathered if ``full``, else DCP shards."""
         with self._averaged_weights_in(runner):
             if full:
                 state = gather_full_state(runner.model, None)[0]
@@ -297,11 +280,7 @@ class EMAHook(MMEngineEMAHook):
 
     def collect_checkpoint_state(self, runner: Any, checkpoint: Dict[str, Any],
                                  shards: Optional[Dict[str, Any]] = None) -> None:
-        """Add the averaged model to a checkpoint being saved (every rank; collective).
-
-        A full file gets the stock hook's entries on rank 0; a sharded directory
-        ``shards['ema']``. If any rank raises here, every rank raises.
-        """
+        """Add the averaged model to a checkpoint being saved (every rank fails together)."""
         with fail_together('EMAHook.collect_checkpoint_state (the averaged model for the '
                            'checkpoint)'):
             self._collect(runner, checkpoint, shards)
@@ -324,10 +303,7 @@ class EMAHook(MMEngineEMAHook):
         self._collect(runner, checkpoint, None)
 
     def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
-        """Resume the averaged tensors from a full checkpoint (every rank).
-
-        Without ``ema_state_dict``, or only loading weights, they restart from the model.
-        """
+        """Resume the averaged tensors from a full checkpoint, or restart them from the model."""
         if 'state_dict' not in checkpoint:
             return
         if not (resume_requested(runner) and 'ema_state_dict' in checkpoint):
@@ -346,11 +322,7 @@ class EMAHook(MMEngineEMAHook):
 
     def after_load_checkpoint_shards(self, runner: Any, path: str,
                                      checkpoint: Dict[str, Any]) -> None:
-        """Read the averaged shards of a sharded directory, after the model's (collective).
-
-        Resuming, they become the averaged tensors; ``load_from``, they replace the
-        model's weights and the average restarts from them.
-        """
+        """Resume the averaged shards of a directory; ``load_from``: load them as the weights."""
         if not _has_ema_shards(path):
             self._restart_from_model(runner)
             return

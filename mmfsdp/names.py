@@ -40,10 +40,7 @@ def unwrapped_name(model: nn.Module, name: str) -> str:
 
 
 def module_tree(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """``(path, module)`` of every module by its registered children.
-
-    Not ``named_modules``, which a wrapper may override to report the unwrapped names.
-    """
+    """``(path, module)`` of every module by its registered children (not ``named_modules``)."""
     seen: Set[int] = set()
     stack = [('', model)]
     while stack:
@@ -83,11 +80,7 @@ def unwrapped_param_names(model: nn.Module) -> Dict[int, str]:
 
 
 def for_tta_model(state: Dict[str, Any], names: Set[str]) -> Dict[str, Any]:
-    """``state`` of a plain model, keyed for a ``BaseTTAModel`` around it if that is the model.
-
-    ``names`` are the model's; mmengine loads a plain model's checkpoint into a TTA model's
-    ``module``.
-    """
+    """A plain model's ``state``, keyed for a ``BaseTTAModel`` around it (``names``: its own)."""
     if any(k in names for k in state) or not any(f'module.{k}' in names for k in state):
         return state
     return {f'module.{k}': v for k, v in state.items()}

@@ -44,10 +44,7 @@ _DTYPES = {
 
 
 def wrapper_options(cfg: Mapping[str, Any]) -> dict:
-    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``.
-
-    mmengine adds ``_scope_`` to every dict with a ``type`` inherited from another package.
-    """
+    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``."""
     return {k: v for k, v in cfg.items() if k not in ('type', '_scope_')}
 
 
@@ -83,10 +80,7 @@ def option_dict(value: Any, valid: Iterable[str], key: str, expected: str) -> Ma
 
 
 def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[torch.dtype]:
-    """Resolve ``'bf16' | 'fp16' | 'fp32'`` (and long names) or a floating ``torch.dtype``.
-
-    ``None`` stays ``None``: keep the parameter's own dtype.
-    """
+    """``'bf16' | 'fp16' | 'fp32'`` (or long names), a floating dtype, or ``None`` (keep own)."""
     if value is None:
         return None
     if isinstance(value, torch.dtype):
@@ -231,12 +225,10 @@ def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CP
         return value
     if isinstance(value, bool):
         return CPUOffload(offload_params=value)
-    if isinstance(value, Mapping):
-        check_keys(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload')
-        return CPUOffload(offload_params=resolve_flag(
-            value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
-    raise TypeError('model_wrapper_cfg.cpu_offload: expected True/False, '
-                    f'dict(offload_params=...) or a CPUOffload, {_got(value)}')
+    option_dict(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload',
+                'True/False, dict(offload_params=...) or a CPUOffload')
+    return CPUOffload(offload_params=resolve_flag(
+        value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------
@@ -309,10 +301,7 @@ def resolve_mp_policy(
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
                            ) -> OffloadPolicy:
-    """``offload``: ``dict(cpu_offload=bool, pin_memory=bool)``, a bool, or an ``OffloadPolicy``.
-
-    ``pin_memory`` (default ``True``) applies only with ``cpu_offload=True``.
-    """
+    """``offload``: ``dict(cpu_offload=bool, pin_memory=bool)``, a bool, or an ``OffloadPolicy``."""
     if isinstance(value, OffloadPolicy):
         return value
     if value is None or isinstance(value, bool):
@@ -329,10 +318,7 @@ def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, 
 
 
 def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
-    """``reshard_after_forward``: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or a group size ≥ 2.
-
-    The group size must divide the shard group's size (checked once the mesh exists).
-    """
+    """``reshard_after_forward``: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or a group size ≥ 2."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -347,10 +333,9 @@ def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """The data-parallel device mesh: ``replicate`` groups of ``shard`` ranks.
+    """The data-parallel mesh: ``replicate`` groups of ``shard`` ranks (``-1``: the rest).
 
-    Each size is a positive int, ``-1`` (the rest of the world) or, for ``shard``,
-    ``'node'``; ``replicate > 1`` is hybrid sharding (a 2-D mesh ``('replicate', 'shard')``)::
+    ::
 
         model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', mesh=dict(replicate=2, shard='node'))
     """
@@ -406,10 +391,7 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
 
 
 def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bool, bool]:
-    """An FSDP1 ``sharding_strategy`` as FSDP2's ``(reshard_after_forward, hybrid)``.
-
-    ``hybrid`` asks for a 2-D mesh; ``NO_SHARD`` has no FSDP2 equivalent.
-    """
+    """An FSDP1 ``sharding_strategy`` as FSDP2's ``(reshard_after_forward, hybrid: 2-D mesh)``."""
     strategy = resolve_sharding_strategy(value)
     if strategy is ShardingStrategy.NO_SHARD:
         raise ValueError("model_wrapper_cfg.sharding_strategy: "

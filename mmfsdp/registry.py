@@ -45,11 +45,8 @@ FSDP_WRAP_POLICIES = Registry('fsdp wrap policy', scope=SCOPE, locations=['mmfsd
 
 
 def register_config_package() -> None:
-    """Make mmengine's ``'mmfsdp::PATH'`` config lookup find ``mmfsdp/.mim/configs/PATH``.
-
-    Registered as the module ``mmfsdp.registry``, no distribution's name, so that
-    editable installs and ``PYTHONPATH`` find the real folder.
-    """
+    """Make mmengine's ``'mmfsdp::PATH'`` config lookup find ``mmfsdp/.mim/configs/PATH``."""
+    # a module's name, not the distribution's: editable installs then find the real folder
     register_package(SCOPE, f'{SCOPE}.registry')
 
 

@@ -26,8 +26,7 @@ class RunnerSteps(Runner):
     """``Runner`` whose private ``train()`` step has a public name a subclass overrides."""
 
     def _init_model_weights(self) -> None:
-        # why: Runner.train() calls this private step (init_weights, then a broadcast of
-        # every tensor) between before_run and load_or_resume; no public hook replaces it.
+        # why: Runner.train() calls this private step; no public hook replaces it
         self.init_model_weights()
 
     def init_model_weights(self) -> None:
@@ -37,8 +36,7 @@ class RunnerSteps(Runner):
 
 def call_stack() -> Iterator[FrameType]:
     """The frames running in this thread, from the caller outwards."""
-    # why: no hook tells a model wrapper which runner builds it; the stock Runner.wrap_model
-    # and FlexibleRunner's strategies call its constructor just as a user does
+    # why: no hook tells a model wrapper which runner (stock, Flexible, FSDPRunner) builds it
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None
     while frame is not None:
@@ -126,8 +124,7 @@ def norm_clip_options(wrapper: OptimWrapper) -> Optional[Dict[str, Any]]:
 
 def replace_grad_clipping(wrapper: OptimWrapper, clip: Callable[[], None]) -> None:
     """Make ``wrapper.step()`` clip by calling ``clip()``."""
-    # why: OptimWrapper.step calls the private _clip_grad, which skips the clip on a rank
-    # without local gradients; a global norm is a collective every rank must enter.
+    # why: step() calls _clip_grad, which skips ranks without local gradients (a collective)
     wrapper._clip_grad = clip
 
 
@@ -150,8 +147,7 @@ def register_config_package(scope: str, module: str) -> None:
 @contextlib.contextmanager
 def pretrained_init_calls(call: Callable[[PretrainedInit, Any], None]) -> Iterator[None]:
     """Inside, mmengine's ``init_cfg`` ``Pretrained`` runs ``call(init, module)`` instead."""
-    # why: BaseModule.init_weights calls each initialiser; replacing this one's __call__
-    # keeps mmengine's order of initialisers
+    # why: replacing this initialiser's __call__ keeps mmengine's order of initialisers
     original = PretrainedInit.__call__
     PretrainedInit.__call__ = call
     try:
@@ -162,7 +158,6 @@ def pretrained_init_calls(call: Callable[[PretrainedInit, Any], None]) -> Iterat
 
 def record_init_info(init: Any, module: Any) -> None:
     """Note ``init`` in the module's initialisation log, as mmengine's initialisers do."""
-    # why: init_weights keeps the log (_params_init_info) only while it runs initialisers,
-    # and an initialiser's description comes from its private _get_init_info
+    # why: the log (_params_init_info) and an initialiser's _get_init_info are private
     if hasattr(module, '_params_init_info'):
         update_init_info(module, init_info=init._get_init_info())

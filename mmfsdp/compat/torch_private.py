@@ -65,8 +65,7 @@ def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
 
 def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> None:
     """Whether this FSDP1 unit's next backward reduces gradients."""
-    # why: the flag FSDP1's no_sync toggles, read in backward; mmengine leaves no_sync before
-    # it runs backward
+    # why: the flag no_sync toggles, read in backward; mmengine leaves no_sync before backward
     module._sync_gradients = sync
 
 
@@ -78,10 +77,7 @@ def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
 
 
 class DCPNameHook:
-    """Mixin for an ``nn.Module`` wrapper whose children DCP names without a prefix.
-
-    The subclass lists the name components to drop in :meth:`dropped_name_components`.
-    """
+    """Mixin for a wrapper whose children DCP names without the components it lists."""
 
     def _fqn_modifiers(self) -> Dict[str, str]:
         # why: DCP's private hook (torch >= 2.7); without it DCP expects 'module.'-prefixed keys
@@ -94,8 +90,7 @@ class DCPNameHook:
 
 def convert_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Replace every parameter and buffer ``t`` of ``module`` by ``fn(t)``, in place."""
-    # why: the walk behind Module.to / to_empty (parameters stay Parameters, swapped the
-    # way torch swaps them); to_empty would also empty the tensors that have values.
+    # why: the walk behind Module.to (keeps Parameters); to_empty would empty real tensors too
     module._apply(fn)
 
 
@@ -112,8 +107,7 @@ def registered_child(module: nn.Module, name: str) -> nn.Module:
 
 def registered_parameters(module: nn.Module) -> List[Tuple[str, Optional[nn.Parameter]]]:
     """``module``'s own parameters as registered (``None`` slots included)."""
-    # why: named_parameters(recurse=False) skips None slots and shared tensors, and a
-    # wrapper may override it to rename
+    # why: named_parameters skips None slots and shared tensors; a wrapper may rename them
     return list(module._parameters.items())
 
 
@@ -134,8 +128,7 @@ def direct_tensor(module: nn.Module, name: str) -> Optional[torch.Tensor]:
 
 def replace_registered(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Swap the parameter or buffer registered as ``name`` for ``tensor``, registering nothing."""
-    # why: setattr would run registration hooks and type checks again for a slot that
-    # register_parameter / register_buffer has just filled
+    # why: setattr would run registration hooks and type checks again for a filled slot
     if name in module._parameters:
         module._parameters[name] = tensor
     else:
@@ -144,8 +137,7 @@ def replace_registered(module: nn.Module, name: str, tensor: torch.Tensor) -> No
 
 def fake_tensor_mode() -> Any:
     """A ``FakeTensorMode`` that turns real CPU inputs into fake tensors on first use."""
-    # why: only fake tensors (torch._subclasses) run a model's own forward and backward
-    # with shapes and dtypes but no storage: the plan's activation trace (mmfsdp.plan.trace)
+    # why: only fake tensors (torch._subclasses) run forward and backward without storage
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
 
