@@ -275,7 +275,11 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
     measured = [r for r in results if r['round'] != 'floor']
     r0, m = measured[0], data['machine']
     loads = [r['load_before'] for r in results] + [r.get('load_after', 0) for r in results]
-    jobs = {n: len({r['round'] for r in measured if r['world_size'] == n})
+    per_arm: Dict[tuple, int] = {}
+    for r in measured:
+        key = (r['world_size'], r['strategy'], r['setting'])
+        per_arm[key] = per_arm.get(key, 0) + 1
+    jobs = {n: sorted({k for (m, *_), k in per_arm.items() if m == n})
             for n in sorted({r['world_size'] for r in measured})}
     launched = sorted({line for r in results if r['setting'] == DEFAULT
                        for line in [r.get('launch_line')] if line})
@@ -302,7 +306,8 @@ def section_lines(data: Dict[str, Any]) -> List[str]:
         f"iteration (reset at its start) minus the resident set when the config was loaded "
         f"(imports done, nothing built); the worst rank; {r0['steps']} measured iterations after "
         f"{r0['warmup']} warm-up, in "
-        + ', '.join(f'{k} job(s) per arm at N = {n}' for n, k in jobs.items())
+        + ', '.join(f"{'–'.join(map(str, sorted({k[0], k[-1]})))} job(s) per arm at N = {n}"
+                    for n, k in jobs.items())
         + '. That baseline leaves in '
         'what every job holds whatever its model (runner scaffolding, lazily imported modules, '
         'gloo buffers): **floor** is the same measurement with the 0.1M-parameter gpt-tiny, '
