@@ -21,14 +21,18 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .compat import HYBRID_SHARD_ZERO2
 
 __all__ = [
-    'Accumulation', 'FSDP1_ONLY_OPTIONS', 'MeshSpec', 'NODE', 'check_keys', 'option_dict',
+    'Accumulation', 'FP32_MODULES_DEFAULT', 'FSDP1_ONLY_OPTIONS', 'MeshSpec', 'NODE',
+    'check_fp32_modules', 'check_keys', 'computes_in_low_precision', 'move_fp32_modules',
+    'option_dict',
     'reject_fsdp1_options', 'resolve_accumulation', 'resolve_backward_prefetch',
     'resolve_cpu_offload', 'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum',
-    'resolve_flag', 'resolve_init_device', 'resolve_mesh', 'resolve_mixed_precision',
+    'resolve_flag', 'resolve_fp32_modules', 'resolve_init_device', 'resolve_mesh',
+    'resolve_mixed_precision', 'split_fp32_modules',
     'resolve_module_classes', 'resolve_mp_policy', 'resolve_offload_policy',
     'resolve_reshard_after_forward', 'resolve_sharding_strategy', 'suggest',
     'translate_sharding_strategy', 'wrapper_options'
@@ -183,6 +187,92 @@ def resolve_accumulation(value: Union[str, Accumulation]) -> Accumulation:
                          'micro-step)') from None
 
 
+# ---- modules kept in fp32 under mixed precision (FSDP1 and FSDP2) ---------------------
+
+#: ``mixed_precision.fp32_modules`` when not given: every batch norm (``SyncBatchNorm``
+#: included), as FSDP1's ``MixedPrecision._module_classes_to_ignore``.
+FP32_MODULES_DEFAULT: Tuple[Type[nn.Module], ...] = (_BatchNorm, )
+_FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
+
+Fp32Modules = Tuple[Union[str, Type[nn.Module]], ...]
+
+
+def split_fp32_modules(value: Any) -> Tuple[Any, Optional[Any]]:
+    """``(mixed_precision without fp32_modules, fp32_modules or None)`` of a written option.
+
+    An FSDP1 ``MixedPrecision`` object brings its own ``_module_classes_to_ignore``.
+    """
+    if isinstance(value, Mapping) and 'fp32_modules' in value:
+        return {k: v for k, v in value.items() if k != 'fp32_modules'}, value['fp32_modules']
+    if isinstance(value, MixedPrecision):
+        # why: FSDP1 names the field privately (experimental) in its public dataclass
+        return value, tuple(value._module_classes_to_ignore)
+    return value, None
+
+
+def move_fp32_modules(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Move ``mixed_precision.fp32_modules`` to the config's own ``fp32_modules`` field."""
+    if 'fp32_modules' in cfg:
+        raise TypeError("model_wrapper_cfg: 'fp32_modules' is a key of mixed_precision: "
+                        "write mixed_precision=dict(param_dtype=..., fp32_modules=[...])")
+    if 'mixed_precision' in cfg:
+        cfg['mixed_precision'], fp32 = split_fp32_modules(cfg['mixed_precision'])
+        if fp32 is not None:
+            cfg['fp32_modules'] = fp32
+    return cfg
+
+
+def check_fp32_modules(value: Any) -> Fp32Modules:
+    """``fp32_modules`` without the model: class names and/or ``nn.Module`` classes.
+
+    ``[]`` keeps no module in fp32; ``None`` is refused (it would read as both
+    "the default" and "off").
+    """
+    if value is None:
+        raise TypeError(f'{_FP32_KEY}: None is ambiguous; leave the key out for the default '
+                        '(every _BatchNorm), or give [] to keep no module in fp32')
+    items = (value, ) if isinstance(value, (str, type)) else value
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f'{_FP32_KEY}: expected a list of module class names or classes, '
+                        f'{_got(value)}')
+    for item in items:
+        if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
+            raise TypeError(f'{_FP32_KEY}: expected module class names (e.g. \'GroupNorm\') '
+                            f'or nn.Module classes, got {type(item).__name__} {item!r}')
+    return tuple(items)
+
+
+def resolve_fp32_modules(value: Fp32Modules, model: nn.Module) -> Tuple[Type[nn.Module], ...]:
+    """The classes of ``fp32_modules``, names looked up among ``model``'s classes and bases.
+
+    A name matches a class of a submodule or any of its ``nn.Module`` bases, so
+    ``'_BatchNorm'`` covers ``BatchNorm2d`` and ``SyncBatchNorm``. An unknown
+    name is a ``ValueError`` with the nearest names.
+    """
+    known: Dict[str, Type[nn.Module]] = {}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module:
+                known.setdefault(cls.__name__, cls)
+    classes = []
+    for item in check_fp32_modules(value):
+        if isinstance(item, type):
+            classes.append(item)
+        elif item in known:
+            classes.append(known[item])
+        else:
+            close = difflib.get_close_matches(item, sorted(known), n=3, cutoff=0.5)
+            hint = f'close matches: {close}' if close else f'its classes are {sorted(known)}'
+            raise ValueError(f'{_FP32_KEY}: {item!r} is not the class of any submodule of '
+                             f'{type(model).__name__} (nor a base of one); {hint}')
+    return tuple(classes)
+
+
+def computes_in_low_precision(param_dtype: Optional[torch.dtype]) -> bool:
+    """Whether mixed precision computes below fp32, so that ``fp32_modules`` take effect."""
+    return param_dtype is not None and param_dtype.itemsize < 4
+
+
 # ---- FSDP1 ----------------------------------------------------------------------------
 
 _FSDP1_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'buffer_dtype')
@@ -209,12 +299,14 @@ def resolve_mixed_precision(
         value: Union[Mapping[str, Any], MixedPrecision, None]) -> Optional[MixedPrecision]:
     """``mixed_precision``: a dict of FSDP1 ``MixedPrecision`` fields, or one.
 
-    ``mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')``
+    ``mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')``;
+    its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
     """
     if value is None or isinstance(value, MixedPrecision):
         return value
-    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS, _MP_KEY,
+    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), _MP_KEY,
                 'a dict, a MixedPrecision or None')
+    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
     return MixedPrecision(
         **resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, _MP_KEY))
 
@@ -279,6 +371,8 @@ def resolve_mp_policy(
     ``None`` (or ``{}``) computes and reduces in the parameters' own dtype::
 
         mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', cast_forward_inputs=True)
+
+    Its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
     """
     if value is None:
         return MixedPrecisionPolicy()
@@ -295,6 +389,8 @@ def resolve_mp_policy(
         if name in value:
             raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
+    check_keys(value, _FSDP2_MP_DTYPES + _FSDP2_MP_FLAGS + ('fp32_modules', ), _MP_KEY)
+    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
     return MixedPrecisionPolicy(
         **resolve_dtypes_and_flags(value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, _MP_KEY))
 

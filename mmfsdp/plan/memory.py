@@ -167,8 +167,9 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
         if not params and name:
             continue
         dtype_bytes = params[0].element_size() if params else 4
+        # Modules kept in fp32 are gathered in their parameters' dtype (fp32), not compute_dtype.
         compute_bytes = (torch.empty((), dtype=spec.compute_dtype).element_size()
-                         if spec.compute_dtype else dtype_bytes)
+                         if spec.compute_dtype and name not in spec.fp32_units else dtype_bytes)
         numel = sum(p.numel() for p in params)
         param_numel = _shard_numel(params, spec, spec.shard_params)
         grad_numel = _shard_numel(params, spec, grads_sharded)

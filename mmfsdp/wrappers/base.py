@@ -42,7 +42,13 @@ from torch import nn
 
 from ..compat import DCPNameHook, call_stack
 from ..dist import current_device
-from ..options import Accumulation, check_keys
+from ..options import (
+    Accumulation,
+    Fp32Modules,
+    check_keys,
+    computes_in_low_precision,
+    resolve_fp32_modules,
+)
 from ..policies import (
     PolicyConfig,
     WrapPolicy,
@@ -53,7 +59,8 @@ from ..policies import (
 
 __all__ = ['Construction', 'DataParallelSteps', 'Layout', 'ModelHolder',
            'Padding', 'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig',
-           'is_parallel_wrapper', 'own_steps', 'reject_stock_runner', 'separate_roots']
+           'fp32_module_names', 'is_parallel_wrapper', 'own_steps', 'reject_stock_runner',
+           'separate_roots', 'units_children_first', 'within']
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -160,6 +167,9 @@ class ShardingSpec:
     #: Whether gradient accumulation keeps full, unsharded gradients between
     #: micro-steps (``accumulation='unsharded'``) instead of the gradient shard.
     unsharded_accumulation: bool = False
+    #: Units (also in :attr:`units`) that compute in fp32 under mixed precision
+    #: (``mixed_precision.fp32_modules``): gathered in their parameters' dtype.
+    fp32_units: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,35 @@ class Layout:
     checkpoint_layers: Tuple[Type[nn.Module], ...] = ()
     #: For a model with its own steps: the children sharded as separate roots.
     roots: Optional[Tuple[str, ...]] = None
+    #: Submodules that compute in fp32 under mixed precision
+    #: (``mixed_precision.fp32_modules``), children first; empty when nothing
+    #: computes below fp32.
+    fp32_modules: Tuple[str, ...] = ()
+
+
+def fp32_module_names(module: nn.Module, fp32_modules: Fp32Modules,
+                      param_dtype: Optional[torch.dtype]) -> Tuple[str, ...]:
+    """The outermost submodules of ``fp32_modules`` classes (one inside another adds nothing).
+
+    Empty unless ``param_dtype`` computes below fp32; the names are checked
+    against ``module`` either way.
+    """
+    classes = resolve_fp32_modules(fp32_modules, module)
+    if not classes or not computes_in_low_precision(param_dtype):
+        return ()
+    kept = [name for name, m in module.named_modules() if isinstance(m, classes)]
+    return tuple(name for name in kept if not any(within(name, k) for k in kept if k != name))
+
+
+def within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""
+    return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
+
+
+def units_children_first(*groups: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The union of unit name lists, each once, deeper units before the units enclosing them."""
+    names = list(dict.fromkeys(name for names in groups for name in names))
+    return tuple(sorted(names, key=lambda name: -name.count('.')))  # stable: ties keep order
 
 
 class WrapperConfig:
@@ -228,13 +267,18 @@ class WrapperConfig:
             self._check_own_steps(module)
         return Layout(policy=policy, units=self._merge(module, units), roots=roots,
                       checkpoint_layers=resolve_activation_checkpointing(
-                          self.activation_checkpointing, module))
+                          self.activation_checkpointing, module),
+                      fp32_modules=self._fp32_modules(module))
 
     #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
     trainable_roots_only: ClassVar[bool] = False
 
     def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
         return units
+
+    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
+        """Names of the submodules kept in fp32 under this config's mixed precision."""
+        return ()
 
     def _check_own_steps(self, module: nn.Module) -> None:
         """Raise on options that a model running its own steps cannot honour."""

@@ -6,7 +6,7 @@ steps (a GAN, a TTA model): one FSDP1 root per child; the builder
 """
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,11 @@ from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
 from ..optim import clip_grads_by_global_norm
 from ..options import (
+    FP32_MODULES_DEFAULT,
     Accumulation,
+    Fp32Modules,
+    check_fp32_modules,
+    move_fp32_modules,
     resolve_accumulation,
     resolve_backward_prefetch,
     resolve_cpu_offload,
@@ -46,8 +50,10 @@ from .base import (
     ParallelWrapper,
     ShardingSpec,
     WrapperConfig,
+    fp32_module_names,
     reject_stock_runner,
     resolved,
+    units_children_first,
 )
 
 __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel', 'MMSeparateFullyShardedDataParallel',
@@ -109,6 +115,10 @@ class FSDPConfig(WrapperConfig):
     #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
     #: local gradients until the last (see :mod:`mmfsdp.options`).
     accumulation: Accumulation = Accumulation.SHARDED
+    #: ``mixed_precision.fp32_modules``: module classes (or their names) that
+    #: compute in fp32 under a lower ``param_dtype``; FSDP1's
+    #: ``MixedPrecision._module_classes_to_ignore``, each instance its own unit.
+    fp32_modules: Fp32Modules = FP32_MODULES_DEFAULT
 
     NAME: ClassVar[str] = NAME
     trainable_roots_only: ClassVar[bool] = True
@@ -123,7 +133,16 @@ class FSDPConfig(WrapperConfig):
             v, key='model_wrapper_cfg.sync_module_states'),
         init_device=resolve_init_device,
         accumulation=resolve_accumulation,
+        fp32_modules=check_fp32_modules,
     )
+
+    @classmethod
+    def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        return move_fp32_modules(cfg)
+
+    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
+        mp = self.mixed_precision
+        return fp32_module_names(module, self.fp32_modules, mp.param_dtype if mp else None)
 
     @property
     def offloads_to_cpu(self) -> bool:
@@ -161,7 +180,9 @@ class FSDPConfig(WrapperConfig):
         sharded = shard > 1
         return ShardingSpec(
             wrapper=NAME, strategy=strategy.name,
-            shard_size=shard, replicate_size=world_size // shard, units=layout.units,
+            shard_size=shard, replicate_size=world_size // shard,
+            units=units_children_first(layout.units, layout.fp32_modules),
+            fp32_units=layout.fp32_modules,
             padding=Padding.FLAT if sharded else Padding.NONE,
             shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
             keep_gathered_until_backward=sharded and strategy in (
@@ -176,6 +197,28 @@ def _planned_policy(module: nn.Module, units: Tuple[str, ...]) -> Any:
     """FSDP1's ``auto_wrap_policy`` that wraps exactly the planned units (no second walk)."""
     ids = frozenset(id(module.get_submodule(name)) for name in units)
     return lambda module, recurse, nonwrapped_numel: recurse or id(module) in ids
+
+
+def _fp32_classes(module: nn.Module, layout: Layout) -> Tuple[type, ...]:
+    """The classes of the layout's modules kept in fp32 (FSDP1 takes classes)."""
+    return tuple(dict.fromkeys(type(module.get_submodule(n)) for n in layout.fp32_modules))
+
+
+def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[MixedPrecision]
+                  ) -> Tuple[Optional[MixedPrecision], Any]:
+    """FSDP1's mixed precision and auto-wrap policy that keep ``layout.fp32_modules`` in fp32.
+
+    FSDP1 keeps ``_module_classes_to_ignore`` in full precision only through an
+    ``auto_wrap_policy`` (it wraps each instance separately); without units a
+    policy that wraps nothing else is given, so that it still does.
+    """
+    policy = _planned_policy(module, layout.units) if layout.units else None
+    if mixed_precision is None:
+        return None, policy
+    classes = _fp32_classes(module, layout)
+    # why: FSDP1 names the field privately (experimental) in its public dataclass
+    mixed_precision = replace(mixed_precision, _module_classes_to_ignore=classes)
+    return mixed_precision, policy or (_planned_policy(module, ()) if classes else None)
 
 
 @MODEL_WRAPPERS.register_module()
@@ -223,12 +266,13 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
             # tensors, so shape-dependent initialisers need them unsharded.
             materialize(module, torch.device('cpu'),
                         broadcast='all' if device.type == 'cpu' else None)
+        mixed_precision, auto_wrap_policy = _keep_in_fp32(module, layout, cfg.mixed_precision)
         super().__init__(
             module,
             sharding_strategy=cfg.sharding_strategy,
-            auto_wrap_policy=_planned_policy(module, layout.units) if layout.units else None,
+            auto_wrap_policy=auto_wrap_policy,
             backward_prefetch=cfg.backward_prefetch,
-            mixed_precision=cfg.mixed_precision,
+            mixed_precision=mixed_precision,
             cpu_offload=cfg.cpu_offload,
             device_id=device,
             device_mesh=_hybrid_mesh(device) if cfg.hybrid else None,
@@ -283,6 +327,8 @@ class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, Paralle
             # buffers it holds itself are materialised too (no staging: own steps).
             materialize(module, device, broadcast='all')
             cfg = replace(cfg, init_device=None)
+        # The children resolve no names: the classes kept in fp32 in the whole model.
+        cfg = replace(cfg, fp32_modules=_fp32_classes(module, layout))
         for name in layout.roots:
             child = module.get_submodule(name)
             module.register_module(name, MMFullyShardedDataParallel(child, config=cfg))

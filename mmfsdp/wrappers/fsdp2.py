@@ -1,7 +1,7 @@
 """``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models, and its config."""
 import functools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,13 @@ from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize
 from ..optim import clip_grads_by_global_norm
 from ..options import (
+    FP32_MODULES_DEFAULT,
     NODE,
     Accumulation,
+    Fp32Modules,
     MeshSpec,
+    check_fp32_modules,
+    move_fp32_modules,
     reject_fsdp1_options,
     resolve_accumulation,
     resolve_flag,
@@ -49,8 +53,11 @@ from .base import (
     ParallelWrapper,
     ShardingSpec,
     WrapperConfig,
+    fp32_module_names,
     reject_stock_runner,
     resolved,
+    units_children_first,
+    within,
 )
 
 __all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model']
@@ -91,6 +98,9 @@ class FullyShardConfig(WrapperConfig):
     #: local gradients (and, with ``reshard_after_forward=False``, the gathered
     #: parameters) until the last (see :mod:`mmfsdp.options`).
     accumulation: Accumulation = Accumulation.SHARDED
+    #: ``mixed_precision.fp32_modules``: module classes (or their names) that
+    #: compute in fp32 under a lower ``param_dtype``, each its own group.
+    fp32_modules: Fp32Modules = FP32_MODULES_DEFAULT
 
     NAME: ClassVar[str] = NAME
     RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
@@ -102,6 +112,7 @@ class FullyShardConfig(WrapperConfig):
         find_unused_parameters=lambda v: resolve_flag(
             v, key='model_wrapper_cfg.find_unused_parameters'),
         accumulation=resolve_accumulation,
+        fp32_modules=check_fp32_modules,
     )
     TRANSLATED: ClassVar[Tuple[str, ...]] = ('sharding_strategy', )
 
@@ -116,11 +127,20 @@ class FullyShardConfig(WrapperConfig):
         if cfg.get('sharding_strategy') is not None:
             cfg.update(_from_sharding_strategy(cfg))
         cfg.pop('sharding_strategy', None)
-        return cfg
+        return move_fp32_modules(cfg)
 
     def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
         """FSDP2 allows one group per parameter: units sharing one are merged."""
         return tuple(merge_units_sharing_parameters(module, units)[0])
+
+    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
+        return fp32_module_names(module, self.fp32_modules, self.mixed_precision.param_dtype)
+
+    def layout(self, module: nn.Module) -> Layout:
+        """The base layout, refused where torch 2.13's FSDP2 would fail at the first forward."""
+        layout = super().layout(module)
+        check_groups(module, layout)
+        return layout
 
     def _check_own_steps(self, module: nn.Module) -> None:
         """``'unsharded'`` accumulation acts at the wrapper's forward, which such a model skips."""
@@ -154,7 +174,9 @@ class FullyShardConfig(WrapperConfig):
         reshard = self.reshard_after_forward
         return ShardingSpec(
             wrapper=NAME, strategy=f'reshard_after_forward={reshard}',
-            shard_size=shard, replicate_size=replicate, units=layout.units,
+            shard_size=shard, replicate_size=replicate,
+            units=units_children_first(layout.units, layout.fp32_modules),
+            fp32_units=layout.fp32_modules,
             padding=Padding.DIM0 if shard > 1 else Padding.NONE,
             shard_params=shard > 1, shard_grads=shard > 1, shard_optimizer=shard > 1,
             keep_gathered_until_backward=shard > 1 and reshard is not True,
@@ -163,6 +185,59 @@ class FullyShardConfig(WrapperConfig):
             gathers_unsharded=True, grads_freed_between_steps=True,
             checkpoint_layers=layout.checkpoint_layers,
             unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
+
+
+def _groups(module: nn.Module, layout: Layout) -> List[str]:
+    """The modules ``fully_shard`` is applied to, children first (the roots last)."""
+    kept = [name for name in layout.fp32_modules
+            if any(True for _ in module.get_submodule(name).parameters())]
+    roots = list(layout.roots) if layout.roots is not None else ['']
+    inner = [name for name in units_children_first(layout.units, tuple(kept)) if name not in roots]
+    return inner + roots
+
+
+def check_groups(module: nn.Module, layout: Layout) -> None:
+    """Refuse a layout whose FSDP2 groups torch 2.13 would reject at the first forward.
+
+    Every parameter belongs to the innermost group enclosing where it is first
+    registered. Raises ``ValueError`` naming the modules when a group's
+    trainable parameters have different dtypes (FSDP2 asserts one dtype per
+    group: pytorch #156784), or when a module kept in fp32 shares a parameter
+    with a module outside it (FSDP2 gives a parameter to one group only).
+    """
+    groups = _groups(module, layout)
+    by_group: Dict[str, Dict[torch.dtype, List[str]]] = {}
+    for name, param in module.named_parameters():
+        owner = next((g for g in groups if within(name.rpartition('.')[0], g)), None)
+        if owner is not None and param.requires_grad:
+            by_group.setdefault(owner, {}).setdefault(param.dtype, []).append(name)
+    for group, dtypes in by_group.items():
+        if len(dtypes) > 1:
+            listed = '; '.join(f'{str(d).replace("torch.", "")}: {names}'
+                               for d, names in dtypes.items())
+            raise ValueError(
+                f'{NAME}: the FSDP2 group {group or type(module).__name__ + " (root)"!r} would '
+                f'hold trainable parameters of different dtypes ({listed}); torch '
+                f'{torch.__version__} requires one dtype per group (pytorch #156784). Give the '
+                'parameters one dtype (mixed precision is model_wrapper_cfg.mixed_precision), '
+                'make the differing modules units of their own (auto_wrap_policy), or list '
+                'their class in mixed_precision.fp32_modules')
+    kept = set(layout.fp32_modules)
+    if not kept:
+        return
+    names: Dict[int, List[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for shared in (ns for ns in names.values() if len(ns) > 1):
+        owners = {next((k for k in kept if within(n.rpartition('.')[0], k)), None)
+                  for n in shared}
+        if len(owners) > 1:
+            raise ValueError(
+                f'{NAME}: parameter {" = ".join(shared)} is shared by a module kept in fp32 '
+                f'({", ".join(sorted(o for o in owners if o is not None))}) and a module '
+                'outside it; FSDP2 gives a parameter to one group, so it cannot compute in '
+                'fp32 in one and in low precision in the other. Remove its class from '
+                'model_wrapper_cfg.mixed_precision.fp32_modules, or stop sharing the parameter')
 
 
 def _from_sharding_strategy(cfg: Mapping[str, Any]) -> Dict[str, Any]:
@@ -207,29 +282,86 @@ def _check_reshard_after_forward(value: Union[bool, int], mesh: DeviceMesh) -> N
                          '(or use True / False)')
 
 
+#: The groups of modules kept in fp32: gathered, computed and reduced in fp32. The
+#: inputs and outputs are cast by :func:`compute_in_fp32`, not by FSDP2, so that the
+#: output gets back the dtype the input came in (FSDP1's behaviour).
+FP32_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
+
+
 def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
                 reshard_after_forward: Union[bool, int], mp_policy: MixedPrecisionPolicy,
                 offload_policy: OffloadPolicy) -> List[nn.Module]:
     """Apply ``fully_shard`` to the layout's units (children first), then to the root(s).
 
-    The checkpointed layers are wrapped first, so a unit that is such a layer is
-    sharded as its checkpoint wrapper. Returns the roots.
+    The modules kept in fp32 (``layout.fp32_modules``) with parameters are
+    groups of their own under :data:`FP32_POLICY`, as is any unit inside one.
+    The checkpointed layers are wrapped first, so a unit that is such a layer
+    is sharded as its checkpoint wrapper. Returns the roots.
     """
-    roots = [module.get_submodule(n) for n in layout.roots] if layout.roots else [module]
-    targets = [module.get_submodule(n) for n in layout.units if n not in (layout.roots or ())]
+    roots = list(layout.roots) if layout.roots is not None else ['']
+    targets = {name: module.get_submodule(name) for name in _groups(module, layout)}
+    kept = [module.get_submodule(name) for name in layout.fp32_modules]
     apply_activation_checkpointing_to(module, layout.checkpoint_layers)
     outer = {id(checkpoint_inner(m)): m for m in module.modules()
              if checkpoint_inner(m) is not None}
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy,
-                              offload_policy=offload_policy)
-    for target in targets:
-        shard(outer.get(id(target), target), reshard_after_forward=reshard_after_forward)
-    # The root's parameters are needed first in backward: like torch's default,
-    # keep them gathered after forward unless asked for ZeRO-2/groups explicitly.
-    for root in roots:
-        shard(outer.get(id(root), root), reshard_after_forward=None
-              if reshard_after_forward is True else reshard_after_forward)
-    return roots
+    shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload_policy)
+    for name, target in targets.items():
+        in_fp32 = any(within(name, kept) for kept in layout.fp32_modules)
+        # The root's parameters are needed first in backward: like torch's default,
+        # keep them gathered after forward unless asked for ZeRO-2/groups explicitly.
+        reshard = (None if name in roots and reshard_after_forward is True
+                   else reshard_after_forward)
+        shard(outer.get(id(target), target), reshard_after_forward=reshard,
+              mp_policy=FP32_POLICY if in_fp32 else mp_policy)
+    for target in kept:
+        compute_in_fp32(target)
+    return [outer.get(id(targets[name]), targets[name]) for name in roots]
+
+
+def compute_in_fp32(module: nn.Module) -> None:
+    """Run ``module`` in fp32: floating inputs cast up, floating outputs cast back.
+
+    The outputs take the dtype of the first floating-point input (the dtype the
+    surrounding mixed precision computes in), as FSDP1 does for the modules of
+    ``MixedPrecision._module_classes_to_ignore``. The hooks are appended, so
+    they run after FSDP2's own (its gather before, its reshard after).
+    """
+    came_in: List[Optional[torch.dtype]] = []  # a stack: a recomputation may nest a call
+
+    def cast_up(_: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        came_in.append(_first_float_dtype((args, kwargs)))
+        return _cast_floats((args, kwargs), torch.float32)
+
+    def cast_back(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        dtype = came_in.pop()
+        return output if dtype in (None, torch.float32) else _cast_floats(output, dtype)
+
+    module.register_forward_pre_hook(cast_up, with_kwargs=True)
+    module.register_forward_hook(cast_back, with_kwargs=True)
+
+
+def _first_float_dtype(value: Any) -> Optional[torch.dtype]:
+    """The dtype of the first floating-point tensor in nested tuples / lists / dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else (
+        value if isinstance(value, (list, tuple)) else ())
+    return next((d for d in map(_first_float_dtype, items) if d is not None), None)
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in nested tuples / lists / dicts cast."""
+    cast: Callable[[Any], Any] = functools.partial(_cast_floats, dtype=dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)((k, cast(v)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, '_fields'):  # a namedtuple
+        return type(value)(*map(cast, value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(cast, value))
+    return value
 
 
 @MODEL_WRAPPERS.register_module()
