@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .amp import replace_stock_amp
-from .checkpoint import CheckpointMixin
+from .checkpoint.mixin import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH
 from .checkpoint.state import load_full_optimizer_state
 from .compat import RunnerSteps, load_from, resume_requested
