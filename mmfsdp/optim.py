@@ -19,21 +19,59 @@ replicated). Every rank enters the collective, gradients or not.
 """
 import functools
 import math
-from typing import Any, Dict, Iterable, List, Protocol, Set, runtime_checkable
+from typing import (
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Set,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
 
 import torch
 import torch.distributed as dist
-from mmengine.optim import OptimWrapper
+from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 from .compat import norm_clip_options, replace_grad_clipping
 from .names import unwrapped_named_parameters
-from .optim_wrappers import AnyOptimWrapper, optim_wrappers
 
-__all__ = ['ModelBinding', 'bind_optim_wrappers', 'clip_by_global_norm',
-           'clip_grads_by_global_norm', 'global_grad_norm', 'is_sharded', 'retarget_parameters']
+__all__ = [
+    'AnyOptimWrapper', 'ModelBinding', 'bind_optim_wrappers', 'clip_by_global_norm',
+    'clip_grads_by_global_norm', 'global_grad_norm', 'is_built', 'is_sharded',
+    'named_optim_wrappers', 'optim_wrappers', 'retarget_parameters'
+]
+
+#: What ``runner.optim_wrapper`` holds once built.
+AnyOptimWrapper = Union[OptimWrapper, OptimWrapperDict]
+
+
+def named_optim_wrappers(
+        optim_wrapper: AnyOptimWrapper) -> Iterator[Tuple[Optional[str], OptimWrapper]]:
+    """``(None, wrapper)`` for one optim wrapper, ``(name, wrapper)`` for each of a dict."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        yield from optim_wrapper.optim_wrappers.items()
+    else:
+        yield None, optim_wrapper
+
+
+def optim_wrappers(optim_wrapper: AnyOptimWrapper) -> Iterator[OptimWrapper]:
+    """Each ``OptimWrapper`` of one wrapper or of a dict of them."""
+    for _, wrapper in named_optim_wrappers(optim_wrapper):
+        yield wrapper
+
+
+def is_built(optim_wrapper: object) -> bool:
+    """Whether ``runner.optim_wrapper`` is built (mmengine holds the config dict until then)."""
+    return isinstance(optim_wrapper, (OptimWrapper, OptimWrapperDict))
+
 
 
 @runtime_checkable

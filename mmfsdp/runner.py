@@ -35,10 +35,11 @@ from .meta_init import (
 from .optim import (
     bind_optim_wrappers,
     clip_by_global_norm,
+    is_built,
     is_sharded,
+    named_optim_wrappers,
     retarget_parameters,
 )
-from .optim_wrappers import is_built, named_optim_wrappers
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .together import check_ranks_agree, fail_together

@@ -27,8 +27,7 @@ from mmfsdp import (
     MMFullyShard,
     MMFullyShardedDataParallel,
 )
-from mmfsdp.optim import ModelBinding
-from mmfsdp.optim_wrappers import named_optim_wrappers
+from mmfsdp.optim import ModelBinding, named_optim_wrappers
 from mmfsdp.plan import plan_for
 from mmfsdp.registry import FSDP_WRAP_POLICIES
 from mmfsdp.runner import LifecycleError, WrapPreconditions

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..dist import current_device
 from ..names import unwrapped_param_names
-from ..optim_wrappers import AnyOptimWrapper, named_optim_wrappers
+from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from ..together import control_group, fail_together
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
