@@ -197,17 +197,18 @@ _FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
 Fp32Modules = Tuple[Union[str, Type[nn.Module]], ...]
 
 
-def split_fp32_modules(value: Any) -> Tuple[Any, Optional[Any]]:
-    """``(mixed_precision without fp32_modules, fp32_modules or None)`` of a written option.
+def split_fp32_modules(value: Any) -> Tuple[Any, Dict[str, Any]]:
+    """``(mixed_precision without fp32_modules, {'fp32_modules': ...} if it gives one)``.
 
-    An FSDP1 ``MixedPrecision`` object brings its own ``_module_classes_to_ignore``.
+    An FSDP1 ``MixedPrecision`` object gives its ``_module_classes_to_ignore``.
     """
     if isinstance(value, Mapping) and 'fp32_modules' in value:
-        return {k: v for k, v in value.items() if k != 'fp32_modules'}, value['fp32_modules']
+        return ({k: v for k, v in value.items() if k != 'fp32_modules'},
+                dict(fp32_modules=value['fp32_modules']))
     if isinstance(value, MixedPrecision):
         # why: FSDP1 names the field privately (experimental) in its public dataclass
-        return value, tuple(value._module_classes_to_ignore)
-    return value, None
+        return value, dict(fp32_modules=tuple(value._module_classes_to_ignore))
+    return value, {}
 
 
 def move_fp32_modules(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -217,8 +218,7 @@ def move_fp32_modules(cfg: Dict[str, Any]) -> Dict[str, Any]:
                         "write mixed_precision=dict(param_dtype=..., fp32_modules=[...])")
     if 'mixed_precision' in cfg:
         cfg['mixed_precision'], fp32 = split_fp32_modules(cfg['mixed_precision'])
-        if fp32 is not None:
-            cfg['fp32_modules'] = fp32
+        cfg.update(fp32)
     return cfg
 
 

@@ -213,10 +213,14 @@ def within(name: str, ancestor: str) -> bool:
     return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
 
 
-def units_children_first(*groups: Tuple[str, ...]) -> Tuple[str, ...]:
-    """The union of unit name lists, each once, deeper units before the units enclosing them."""
-    names = list(dict.fromkeys(name for names in groups for name in names))
-    return tuple(sorted(names, key=lambda name: -name.count('.')))  # stable: ties keep order
+def units_children_first(units: Tuple[str, ...], extra: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``units`` (children first) with each of ``extra`` inserted before the units enclosing it."""
+    merged = list(units)
+    for name in extra:
+        if name not in merged:
+            at = next((i for i, unit in enumerate(merged) if within(name, unit)), len(merged))
+            merged.insert(at, name)
+    return tuple(merged)
 
 
 class WrapperConfig:
