@@ -240,7 +240,8 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
             sharding_strategy='FULL_SHARD',        # any ShardingStrategy name
             auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
             backward_prefetch='pre',               # 'pre' | 'post' | None
-            mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
+            mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32',
+                                 fp32_modules=['_BatchNorm']),  # the default; [] off
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
             init_device=None,                      # 'meta': build without weights first
             accumulation='sharded')                # 'unsharded': no_sync, full gradients

@@ -383,7 +383,8 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
             auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
             reshard_after_forward=True,            # bool | int
             mesh=dict(replicate=1, shard=-1),      # replicate > 1: hybrid sharding
-            mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32'),
+            mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32',
+                                 fp32_modules=['_BatchNorm']),  # the default; [] off
             offload=dict(cpu_offload=False),
             activation_checkpointing=dict(layer_cls=['TransformerBlock']),
             init_device=None,                      # 'meta': never hold the full model
