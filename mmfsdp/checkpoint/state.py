@@ -7,7 +7,10 @@ into any wrapper. Gathering, scattering and sharded saves are collectives.
 
 A sharded checkpoint ``iter_N.pth/`` holds DCP's ``.metadata`` and shard files
 (model, optimizer, and extra shards such as ``ema``) and :data:`META_FILE`
-(everything else, as plain values). :func:`match_keys` is mmengine's
+(everything else, as plain values). Entries that every rank holds whole
+(buffers such as BatchNorm's running statistics, which each rank updates for
+itself) are rank 0's in both formats, as in mmengine's stock checkpoint.
+:func:`match_keys` is mmengine's
 ``load_from`` rule (skip and list what does not fit), decided from names and
 shapes before any tensor is read.
 """
@@ -26,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from mmengine.dist import is_main_process
 from mmengine.optim import OptimWrapper
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -356,7 +360,7 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     shards, param_groups = sharded_state(model, optim_wrapper)
     shards.update(extra_shards or {})
     with _single_process_is_intended():
-        dcp.save(shards, checkpoint_id=tmp)
+        dcp.save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner())
     with fail_together(f'saving checkpoint {path}', wait_s):
         if is_main_process():
             if param_groups is not None:
@@ -364,6 +368,19 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
             save_atomically(extra, os.path.join(tmp, META_FILE))
             replace_path(tmp, path, token)
             remove_stale_temporaries(directory, clean_tokens)
+
+
+def _rank0_replicas_planner() -> DefaultSavePlanner:
+    """DCP's save planner, keeping rank 0's copy of every entry that is not sharded.
+
+    Buffers (BatchNorm's running statistics, the EMA's averaged buffers) and
+    other unsharded entries are on every rank, with values that may differ.
+    DCP writes one copy, by default the one of the rank with the smallest plan
+    so far (rank 1's in every run measured): a sharded save of a step would be
+    another model than the full save, which holds rank 0's. Rank 0 writing all
+    of them costs little: unsharded entries are small.
+    """
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 # Directories that every rank of this process's job was seen to share.
