@@ -1,20 +1,7 @@
 """Dry run: ``python -m mmfsdp.plan CONFIG --world-size 1 8 64 [--cfg-options ...]``.
 
-Builds the config's model with its parameters and buffers on the meta device
-(:func:`mmfsdp.meta_init.empty_weights`, as ``init_device='meta'`` builds it:
-constructors may still compute with tensors; no process group, no memory,
-seconds even for billions of parameters), applies the configured wrapper and
-policy, and prints the plan for each world size, as tables or as JSON.
-Then it traces one training step with fake tensors (:mod:`.trace`) on a batch
-shaped like the config's and prints the step's peak per rank, activations
-included (on a CPU host, ``--device cpu``, also the activations that the
-allocator keeps resident, ``--cpu-allocator``: :mod:`.host`); ``--batch-size`` and
-``--activation-checkpointing`` ask "what if",
-``--fit-memory 24GiB`` lists the configurations that fit (:mod:`.fit`).
-
-Names are looked up as the Runner looks them up: in the registries of the
-config's ``default_scope`` (e.g. ``default_scope = 'mmpretrain'`` with
-``type='ImageClassifier'``), or of a dict's own ``_scope_``.
+Builds the model on the meta device, prints the plan per world size, then traces
+one step for its peak per rank (``--fit-memory``: what fits). See ``docs/plan.md``.
 """
 import argparse
 import contextlib

@@ -1,15 +1,6 @@
-"""The batch a traced training step runs on: from the config's dataset, or a given shape.
+"""The batch a traced step runs on, from the config's dataset or ``--input-shape``.
 
-A config's batch is one sample of ``train_dataloader.dataset`` repeated
-``train_dataloader.batch_size`` times (per rank, as mmengine's dataloaders
-count it), put together by the configured ``collate_fn`` and passed through
-the model's ``data_preprocessor`` as ``train_step`` does, so images are
-resized, padded and stacked as in training. Samples of one dataset may differ
-in size (detection images): the first stands for all of them.
-
-Without a usable dataset (files not on this machine), ``--input-shape``
-gives the inputs directly; the model then runs in ``mode='tensor'`` and the
-sum of its outputs stands in for the loss.
+One sample, collated and preprocessed as ``train_step`` does (``docs/plan.md``).
 """
 import functools
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple

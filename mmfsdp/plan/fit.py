@@ -1,15 +1,7 @@
 """Which configurations fit a memory budget: ``python -m mmfsdp.plan CONFIG --fit-memory 24GiB``.
 
-Every world size asked for is tried with each strategy (DDP; FSDP1
-FULL_SHARD and SHARD_GRAD_OP; FSDP2 resharding after forward or not) and with
-activation checkpointing off and on (on: the configured layer classes, else
-the classes of the wrap policy's units). The config's wrap policy and
-mixed-precision dtypes carry over to every FSDP candidate. A candidate fits
-when its predicted step peak per rank (:mod:`.step`) is at most the budget.
-
-Candidates are listed cheapest first: fewest ranks, then no recomputation,
-then the fewest collectives (DDP, then keeping parameters gathered from
-forward to backward, then resharding), then the lowest peak.
+Every world size x strategy x activation checkpointing is tried; candidates are
+listed cheapest first (``docs/plan.md``).
 """
 import re
 from dataclasses import dataclass

@@ -1,40 +1,8 @@
-"""What a CPU host keeps resident beyond the live tensors: freed blocks its malloc does not reuse.
+"""What a CPU host keeps resident beyond the live tensors: freed blocks its malloc keeps.
 
-(The other CPU term, gloo's staging copy of a unit in every all-gather and
-reduce-scatter, is :attr:`.step.StepPeak.staging_bytes`.)
-
-On an accelerator a step's peak is the most bytes alive at once
-(``max_memory_allocated``). On the CPU torch takes every tensor from the
-process's ``malloc``, which the launch chooses (``tools/dist_train.sh``
-preloads jemalloc, else tcmalloc, where installed: ``tools/cpu_allocator.sh``).
-Every malloc serves blocks up to some size from per-size free lists: a freed
-block there is kept for the next request of its size class, so it stays
-resident and makes no room for a block of another size. The activations of a
-small batch are such blocks under glibc (gpt-25m at batch 2 x 64 tokens: 256
-KiB each), so once forward has made them they stay resident through backward,
-and the gradients that backward creates add to them instead of taking their
-place::
-
-    heap-resident activations = the traced activation storages smaller than the threshold
-
-The threshold, per allocator:
-
-- **glibc**: the mmap threshold. A block at least that large is mapped on its
-  own and unmapped when freed; a smaller one comes from the heap, whose freed
-  memory stays resident. glibc raises the threshold to the largest block freed,
-  up to 32 MiB on 64-bit systems; the plan takes 32 MiB, what a step sees once
-  an earlier one has freed its gathered units, unless ``MALLOC_MMAP_THRESHOLD_``
-  fixes it (the benchmarks set 1 MiB). Gathered units and unsharded gradients
-  come from that heap as well, which the plan leaves out: a lower bound there
-  (``docs/benchmarks.md``, section 9).
-- **jemalloc**: its smallest *large* size class, 16 KiB (``SC_LARGE_MINCLASS``);
-  larger blocks are extents that a later request of any size reuses.
-- **tcmalloc**: its largest size class, 256 KiB (``kMaxSize``); larger blocks are
-  spans of pages that any later request reuses.
-
-Measured (gpt-25m, FSDP2, 2 ranks, batch 2): under glibc with the threshold at
-1 MiB the step peaks 20 MiB higher than at 64 KiB, where no activation is below
-it; the trace puts 16.7 MiB of its 32.7 MiB of activations below 1 MiB.
+Blocks below the launch's allocator threshold (glibc's mmap threshold, jemalloc's
+16 KiB, tcmalloc's 256 KiB) stay resident after backward frees them; see
+``docs/plan.md``.
 """
 import os
 import subprocess

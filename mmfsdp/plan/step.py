@@ -1,28 +1,11 @@
 """The peak of one training step per rank: the sharding plan plus the traced activations.
 
-    peak = model state (parameters, gradients, optimizer state: the plan, exact)
-         + gathered units in flight (the plan: what the wrapper all-gathers at once)
-         + activations (the trace: alive when forward ends)
-         + the largest transient (the trace: how far backward rises above them)
-
-Where gradients are freed between steps (FSDP1, FSDP2: ``zero_grad()`` drops them),
-backward creates them as it frees the activations, so the two count once,
-as the larger: ``peak = state - grads + gathered + max(activations, grads) + transient``.
-
-On a CPU host (:mod:`.host`), activations in blocks below the allocator's threshold
-stay resident after backward frees them: they make no room for the gradients,
-so they count on their own; and the collectives run on gloo, which stages the
-whole unit of every all-gather (its output) and reduce-scatter (its input) in a
-buffer of its own while the call lasts. FSDP issues those calls between the
-units' computations and, on the CPU, each returns when it is done, so that
-buffer and the traced transient are never alive together: the larger counts::
+On a CPU host::
 
     peak = state - grads + gathered + heap + max(activations - heap, grads)
            + max(traced transient, staging)
 
-The model state and the gathered units depend on the world size and the
-strategy, the activations on the batch, checkpointing and the compute dtype
-only, so one trace serves every world size and strategy that computes alike.
+(``heap`` and ``staging``: CPU hosts only; the terms are explained in ``docs/plan.md``.)
 """
 from dataclasses import dataclass
 from typing import Any, Dict, Optional

@@ -1,19 +1,9 @@
 """Activation memory of one training step, traced with fake tensors (no memory, any device).
 
-The model's own forward and backward run under ``FakeTensorMode``: every op
-computes shapes and dtypes but allocates nothing. A dispatch mode watches the
-storages each op creates and when they die, so the trace knows the bytes alive
-at every moment of the step beyond the parameters:
-
-- **activations**: what is alive when forward ends (everything autograd
-  saved for backward, plus the loss), each attributed to the unit whose
-  forward allocated it;
-- **peak**: the most alive at any moment of forward + backward (activations
-  plus the gradients of activations, recomputed checkpointed layers, and the
-  per-parameter gradients until they are handed to the wrapper).
-
-What the wrapper does with parameters and gradients (gathering, sharding,
-reducing) is not traced: :mod:`.step` adds it from the sharding plan.
+The model's forward and backward run under ``FakeTensorMode`` while a dispatch
+mode follows every storage: the activations alive when forward ends (per unit)
+and the peak of forward + backward. What the wrapper does with parameters and
+gradients is added by :mod:`.step` from the plan (``docs/plan.md``).
 """
 import copy
 import weakref
