@@ -207,7 +207,7 @@ def test_pretrained_init_runs_through_its_call_inside_init_weights(tmp_path):
         module.init_weights()
     assert seen == [('PretrainedInit', True)], (
         "BaseModule.init_weights no longer calls PretrainedInit.__call__ while it keeps "
-        '_params_init_info (mmfsdp.meta_init.pretrained replaces the call)')
+        '_params_init_info (mmfsdp.meta_init.materialize replaces the call)')
     assert PretrainedInit.__call__ is not call
 
 
@@ -228,7 +228,7 @@ def test_stock_wrap_model_builds_the_wrapper_in_its_own_frame():
 
     Runner.wrap_model(Stub(), dict(type='CompatTestProbeWrapper'), nn.Linear(2, 2))
     assert seen == [True], \
-        'Runner.wrap_model no longer builds the wrapper itself: mmfsdp.wrappers.guard misses it'
+        'Runner.wrap_model no longer builds the wrapper itself: mmfsdp.wrappers.base.reject_stock_runner misses it'
     assert not any(f.f_code is Runner.wrap_model.__code__ for f in compat.call_stack())
 
 
