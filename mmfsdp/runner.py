@@ -1,9 +1,10 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+import inspect
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from mmengine.dist import is_distributed, is_main_process
-from mmengine.model import convert_sync_batchnorm, is_model_wrapper
+from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.registry import FUNCTIONS
 from mmengine.runner import Runner
 from torch import nn
@@ -46,7 +47,12 @@ from .together import check_ranks_agree, fail_together
 from .wrappers.base import Layout
 from .wrappers.builder import model_wrapper_config, resolve_wrapper
 
-__all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions']
+__all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'is_mmengine_default_env',
+           'revert_sync_bn']
+
+#: The ``env_cfg`` that ``Runner.__init__`` takes when none is given (its
+#: ``dist_cfg`` says ``backend='nccl'``, which no user wrote).
+MMENGINE_DEFAULT_ENV_CFG = inspect.signature(Runner.__init__).parameters['env_cfg'].default
 
 
 @RUNNERS.register_module()
@@ -56,8 +62,11 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     Same constructor, config keys and loops as ``Runner``; it changes only what
     the stock Runner gets wrong under sharding:
 
-    - start-up on any device (gloo on CPU, NCCL on CUDA; :mod:`mmfsdp.dist`),
-      and a clean exit;
+    - start-up on any device (gloo on CPU, NCCL on CUDA; :mod:`mmfsdp.dist`;
+      mmengine's default ``dist_cfg=dict(backend='nccl')`` counts as not
+      configured), and a clean exit;
+    - SyncBN configs on a host without an accelerator: SyncBN becomes
+      BatchNorm, logged (:meth:`build_model`);
     - ``model_wrapper_cfg`` resolved once, checked on every rank before the
       process group starts and against the model before the first collective,
       with the ranks' agreement on what they shard (:mod:`mmfsdp.together`);
@@ -103,7 +112,10 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                 'jemalloc or tcmalloc where installed, as torch.backends.xeon.run_cpu does). '
                 'Remove the key, or set LD_PRELOAD yourself')
         if self.distributed and not is_distributed():
-            init_distributed(self.launcher, env_cfg.get('dist_cfg'),
+            # mmengine's own default names nccl: not configured, so the device picks
+            dist_cfg = None if is_mmengine_default_env(env_cfg, self.cfg) else \
+                env_cfg.get('dist_cfg')
+            init_distributed(self.launcher, dist_cfg,
                              offload=self._wrapping.offloads_to_cpu)
             shutdown_at_exit()
         elif self.distributed:  # a group started by the caller, who destroys it
@@ -138,10 +150,29 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         return super().build_optim_wrapper(optim_wrapper)
 
     def build_model(self, model: Any) -> nn.Module:
-        """Build the model; on the meta device under meta init."""
+        """Build the model (on the meta device under meta init); SyncBN becomes BN on a CPU.
+
+        torch's ``SyncBatchNorm`` runs only on an accelerator, and OpenMMLab's
+        configs use it (``norm_cfg=dict(type='SyncBN')``): without one it is
+        converted here, before the model is checked or walked and before any
+        collective (:func:`revert_sync_bn`), and logged once.
+        """
         if self._meta_init:
-            return build_on_meta(super().build_model, model)
-        return super().build_model(model)
+            built = build_on_meta(super().build_model, model)
+        else:
+            built = super().build_model(model)
+        if current_device().type != 'cpu':
+            return built
+        built, converted = revert_sync_bn(built)
+        if converted:
+            self.logger.warning(
+                f'SyncBatchNorm needs an accelerator and this host has none: '
+                f"{len(converted)} modules converted to BatchNorm (mmengine's "
+                f"revert_sync_batchnorm): {', '.join(converted)}."
+                + (' Each rank now keeps its own running statistics; to average them across '
+                   "ranks, add custom_hooks=[dict(type='SyncBuffersHook')] (before each "
+                   'validation and after each training epoch)' if self.distributed else ''))
+        return built
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict], model: nn.Module) -> nn.Module:
         """Wrap ``model`` as resolved in :meth:`setup_env`, once its weights are final.
@@ -189,7 +220,14 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             self._log_sharding_plan(model)
         names = {id(p): n for n, p in model.named_parameters()}
         if self.cfg.get('sync_bn') is not None:
-            model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
+            if current_device().type == 'cpu':  # as a SyncBN model is reverted (build_model)
+                self.logger.warning(
+                    f"sync_bn={self.cfg.get('sync_bn')!r} ignored: SyncBatchNorm needs an "
+                    'accelerator and this host has none, so BatchNorm is kept and each rank '
+                    "keeps its own running statistics; custom_hooks=[dict(type='SyncBuffersHook')]"
+                    ' averages them across ranks')
+            else:
+                model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
         resumed = self._take_optimizer_state()
         self.model = self._wrapping.build(model, self._layout, current_device(),
                                           sync_module_states=self._staged)
@@ -285,6 +323,35 @@ def without_collate_scope(dataloader: Any) -> Any:
                            f'registered function in the {scope!r} scope')
         collate['type'] = function
     return dict(dataloader, collate_fn=collate)
+
+
+def is_mmengine_default_env(env_cfg: Mapping, cfg: Mapping) -> bool:
+    """Whether ``env_cfg`` is mmengine's default, which the user did not write.
+
+    ``Runner(...)`` without ``env_cfg`` receives the default object of its
+    signature; ``Runner.from_cfg`` gives an equal dict when the config (the
+    runner's ``cfg``, then not empty) has no ``env_cfg`` key. An equal dict
+    passed with no config, or from a config that has the key, is the user's.
+    """
+    if env_cfg is MMENGINE_DEFAULT_ENV_CFG:
+        return True
+    return len(cfg) > 0 and 'env_cfg' not in cfg and env_cfg == MMENGINE_DEFAULT_ENV_CFG
+
+
+def revert_sync_bn(model: nn.Module) -> Tuple[nn.Module, List[str]]:
+    """``model`` with every SyncBN module made BatchNorm, and the names of those converted.
+
+    mmengine's ``revert_sync_batchnorm`` (torch's ``SyncBatchNorm`` and, where
+    installed, mmcv's) keeps the parameters and buffers themselves, so a
+    model built on the meta device stays there.
+    """
+    before = {name: type(module) for name, module in model.named_modules()}
+    if not any(issubclass(cls, nn.SyncBatchNorm) or cls.__name__ == 'SyncBatchNorm'
+               for cls in before.values()):
+        return model, []
+    model = revert_sync_batchnorm(model)
+    return model, [name or '(the model)' for name, module in model.named_modules()
+                   if name in before and type(module) is not before[name]]
 
 
 # ---- what must have happened before train() wraps ---------------------------------------
