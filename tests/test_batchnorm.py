@@ -345,3 +345,20 @@ def test_one_process_converts_syncbn_and_trains(tmp_path):
     assert len(scalar_history(runner, 'train/loss')) == ITERS
     log = _log_text(runner)
     assert 'embed.1, head.1' in log and 'its own running statistics' not in log
+
+
+@pytest.mark.parametrize('device, kept', [('cpu', False), ('cuda', True)])
+def test_syncbn_is_kept_only_where_there_is_an_accelerator(monkeypatch, device, kept):
+    import logging
+
+    import mmfsdp.runner
+    from mmfsdp import FSDPRunner
+    monkeypatch.setattr(mmfsdp.runner, 'current_device', lambda: torch.device(device))
+    runner = FSDPRunner.__new__(FSDPRunner)  # build_model needs only these
+    runner._meta_init, runner._distributed = False, True
+    runner.logger = logging.getLogger('test_batchnorm')
+    model = runner.build_model(NormedClassifier(norm_cfg=dict(type='SyncBN')))
+    norms = {n: type(m) for n, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    assert list(norms) == list(NORM_MODULES)
+    assert all((cls is nn.SyncBatchNorm) == kept for cls in norms.values()), norms
