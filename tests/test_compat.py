@@ -228,7 +228,8 @@ def test_stock_wrap_model_builds_the_wrapper_in_its_own_frame():
 
     Runner.wrap_model(Stub(), dict(type='CompatTestProbeWrapper'), nn.Linear(2, 2))
     assert seen == [True], \
-        'Runner.wrap_model no longer builds the wrapper itself: mmfsdp.wrappers.base.reject_stock_runner misses it'
+        ('Runner.wrap_model no longer builds the wrapper itself: '
+         'mmfsdp.wrappers.base.reject_stock_runner misses it')
     assert not any(f.f_code is Runner.wrap_model.__code__ for f in compat.call_stack())
 
 
