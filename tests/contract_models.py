@@ -242,3 +242,18 @@ class OverflowOnRank1GAN(ToyGAN):
                                                              self.discriminator.parameters())),
             scale=float(disc.loss_scaler.get_scale()), scaler=type(disc.loss_scaler).__name__)
         return dict(loss_d=loss_d.detach())
+
+
+@DATASETS.register_module()
+class ParityShiftedDataset(ToyDataset):
+    """``ToyDataset`` whose odd samples are scaled by 3 and shifted by 2.
+
+    An unshuffled ``DefaultSampler`` on 2 ranks gives rank 0 the even samples
+    and rank 1 the odd ones: the ranks' BatchNorm statistics part.
+    """
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        if i % 2:
+            item['inputs'] = item['inputs'] * 3 + 2
+        return item

@@ -25,11 +25,12 @@ import glob
 import os
 from typing import Any, Dict, List, Optional
 
+import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 import pytest
 import torch
 from mmengine.config import Config
 from mmengine.hooks import Hook
-from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.registry import HOOKS, MODELS
 from mmengine.runner import Runner
 from torch import nn
 
@@ -42,7 +43,6 @@ from toy import (
     NUM_CLASSES,
     WRAPPERS,
     ToyClassifier,
-    ToyDataset,
     runner_config,
 )
 
@@ -88,21 +88,6 @@ class NormedClassifier(ToyClassifier):
                 nn.init.constant_(module.bias, 0.01 * module.weight.shape[0])
 
 
-@DATASETS.register_module()
-class OddShiftedDataset(ToyDataset):
-    """``ToyDataset`` whose odd samples are scaled by 3 and shifted by 2.
-
-    An unshuffled ``DefaultSampler`` on 2 ranks gives rank 0 the even samples
-    and rank 1 the odd ones: the ranks' BatchNorm statistics part.
-    """
-
-    def __getitem__(self, i: int) -> dict:
-        item = super().__getitem__(i)
-        if i % 2:
-            item['inputs'] = item['inputs'] * 3 + 2
-        return item
-
-
 @HOOKS.register_module()
 class BufferRecorder(Hook):
     """Keeps this rank's buffers at every place ``SyncBuffersHook`` acts.
@@ -134,7 +119,7 @@ def _config(root: str, name: str, wrapper: dict, *, norm: str = 'BN1d', sync: bo
     # SyncBN runs are compared with meta init: no random draws in init_weights
     cfg['model'] = dict(type='NormedClassifier', norm_cfg=dict(type=norm),
                         random_init=norm != 'SyncBN')
-    cfg['train_dataloader']['dataset']['type'] = 'OddShiftedDataset'
+    cfg['train_dataloader']['dataset']['type'] = 'ParityShiftedDataset'
     cfg['train_dataloader']['sampler'] = dict(type='DefaultSampler', shuffle=False)
     cfg['train_cfg']['val_interval'] = VAL_INTERVAL
     hooks = [dict(type='BufferRecorder', label='before', priority='ABOVE_NORMAL'),

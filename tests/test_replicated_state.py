@@ -15,13 +15,14 @@ reads the full files and consolidates the sharded directories.
 import functools
 import os
 
+import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 import pytest
 import torch
-from mmengine.registry import DATASETS, MODELS
+from mmengine.registry import MODELS
 from torch import nn
 
 from harness import max_abs_diff, run_distributed
-from toy import FSDP1, FSDP2, IN_DIM, ToyClassifier, ToyDataset, checkpointing_config
+from toy import FSDP1, FSDP2, IN_DIM, ToyClassifier, checkpointing_config
 
 WRAPPERS = {'fsdp2': FSDP2, 'fsdp1': FSDP1}
 TYPES = ('full', 'sharded')
@@ -44,21 +45,6 @@ class TwoBatchNormClassifier(ToyClassifier):
 
     def forward(self, inputs, data_samples=None, mode: str = 'tensor'):
         return super().forward(self.input_norm(inputs), data_samples, mode)
-
-
-@DATASETS.register_module()
-class ParityShiftedDataset(ToyDataset):
-    """``ToyDataset`` whose odd samples are scaled by 3 and shifted by 2.
-
-    An unshuffled ``DefaultSampler`` on 2 ranks gives rank 0 the even samples
-    and rank 1 the odd ones: the ranks' BatchNorm statistics part.
-    """
-
-    def __getitem__(self, i: int) -> dict:
-        item = super().__getitem__(i)
-        if i % 2:
-            item['inputs'] = item['inputs'] * 3 + 2
-        return item
 
 
 def _config(work_dir: str, wrapper: dict, **kwargs):
