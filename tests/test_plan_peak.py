@@ -2,15 +2,22 @@
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from torch import nn
+from torch.utils.data import Dataset
 
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
 from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
-from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShardedDataParallel
+from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
@@ -265,3 +272,101 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak(cpu_allocator)
     measured, predicted = result['peak_bytes']['median'], result['predicted']['peak_bytes']
     print(f'measured {measured / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB')
     assert abs(predicted - measured) <= 0.10 * measured
+
+
+# A vision model as mmpretrain's configs give it: BatchNorm (plain buffers), images padded and
+# stacked by the data preprocessor (mmengine's stack_batch), which is a top-level config key.
+@MODELS.register_module(force=True)
+class ConvBNClassifier(BaseModel):
+    def __init__(self, data_preprocessor=None, width=8, classes=4):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width),
+                                  nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width),
+                                   nn.ReLU())
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        logits = self.head(self.block(self.stem(inputs)).mean((2, 3)))
+        if mode == 'loss':
+            return dict(loss=F.cross_entropy(logits, torch.as_tensor(data_samples)))
+        return logits
+
+
+@DATASETS.register_module(force=True)
+class TinyImages(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return dict(inputs=torch.full((3, 32, 32), i, dtype=torch.uint8), data_samples=i % 4)
+
+
+PREPROCESSOR = dict(type='ImgDataPreprocessor', mean=[123.675, 116.28, 103.53],
+                    std=[58.395, 57.12, 57.375])
+IMAGES = dict(batch_size=4, dataset=dict(type='TinyImages'),
+              collate_fn=dict(type='pseudo_collate'))
+FSDP2_BF16 = dict(type='mmfsdp.MMFullyShard', mixed_precision=dict(param_dtype='bf16'))
+
+
+def _bn_model():
+    with torch.device('meta'):
+        return ConvBNClassifier(data_preprocessor=PREPROCESSOR)
+
+
+def test_a_batchnorm_model_traces_with_its_data_preprocessor():
+    batch, _ = config_batch(IMAGES, 'mmengine')
+    trace = trace_for(MMFullyShard, dict(type='mmfsdp.MMFullyShard'), _bn_model(), batch)
+    # each conv's input and output, 4 x 8 x 32 x 32 floats, are kept for backward
+    assert trace.activation_bytes > 4 * 4 * 8 * 32 * 32 * 4
+    assert trace.peak_bytes >= trace.activation_bytes
+
+
+def test_bf16_trace_keeps_batchnorm_in_fp32_as_training_does():
+    model = _bn_model()
+    seen = {}
+
+    def record(module, args, output, name):  # hooks travel with the traced copy
+        seen[name] = (args[0].dtype, next(module.parameters()).dtype, output.dtype)
+
+    for name in ('stem.0', 'stem.1', 'head'):
+        model.get_submodule(name).register_forward_hook(
+            functools.partial(record, name=name))
+    batch, _ = config_batch(IMAGES, 'mmengine')
+    half = trace_for(MMFullyShard, FSDP2_BF16, model, batch)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert seen['stem.0'] == (bf16, bf16, bf16)
+    assert seen['stem.1'] == (fp32, fp32, fp32)  # cast back to bf16 after its own forward hooks
+    assert seen['head'] == (bf16, bf16, bf16)
+    assert half.compute_dtype == bf16
+    full = trace_for(MMFullyShard, dict(type='mmfsdp.MMFullyShard'), _bn_model(), batch)
+    assert half.activation_bytes < full.activation_bytes
+
+
+def test_the_plan_of_a_vision_config_has_its_step_and_top_level_preprocessor(tmp_path):
+    config = tmp_path / 'convbn.py'
+    config.write_text(
+        "custom_imports = dict(imports=['test_plan_peak'], allow_failed_imports=False)\n"
+        "model = dict(type='ConvBNClassifier')\n"
+        f'data_preprocessor = {PREPROCESSOR!r}\n'
+        f'train_dataloader = {IMAGES!r}\n'
+        f'model_wrapper_cfg = {FSDP2_BF16!r}\n'
+        "optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(REPO, 'tests'), REPO, os.environ.get('PYTHONPATH', '')]))
+    out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', str(config), '--world-size',
+                          '2', '--format', 'json'], cwd=REPO, env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    step = json.loads(out)[0]['step']
+    assert step is not None and step['activation_bytes'] > 0
+    assert step['peak_bytes'] > step['activation_bytes']
+    from mmengine.config import Config
+
+    from mmfsdp.plan.__main__ import model_config
+    cfg = Config.fromfile(str(config))
+    model = model_config(cfg)
+    assert model['data_preprocessor']['type'] == 'ImgDataPreprocessor'
+    assert 'data_preprocessor' not in cfg.model  # the config itself is left as it is
+    own = dict(type='BaseDataPreprocessor')
+    cfg.model['data_preprocessor'] = own  # the model's own wins, as in mmengine's Runner
+    assert model_config(cfg)['data_preprocessor'] == own

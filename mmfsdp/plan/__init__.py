@@ -56,7 +56,7 @@ def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Modul
     from .trace import trace_step
     spec = _spec(wrapper_cls, wrapper_cfg, model, world_size)
     return trace_step(model, batch, units=spec.units, checkpoint_layers=spec.checkpoint_layers,
-                      compute_dtype=spec.compute_dtype)
+                      compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units)
 
 
 def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,

@@ -73,6 +73,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _print(json.dumps(data, indent=1) if args.format == 'json' else text)
 
 
+def model_config(cfg: Any) -> Any:
+    """``cfg.model`` as mmengine's ``Runner`` builds it (the config itself is left as it is).
+
+    A top-level ``data_preprocessor`` (mmpretrain's shipped configs have one)
+    is the model's unless the model config names its own.
+    """
+    model = cfg.model
+    preprocessor = cfg.get('data_preprocessor')
+    if isinstance(model, dict) and preprocessor is not None and 'data_preprocessor' not in model:
+        model = dict(model, data_preprocessor=preprocessor)
+    return model
+
+
 def _unit_classes(model: nn.Module, units: Sequence[str]) -> List[str]:
     return list(dict.fromkeys(type(model.get_submodule(u)).__name__ for u in units))
 
@@ -99,7 +112,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
     wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
     with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
-        model = MODELS.build(cfg.model)
+        model = MODELS.build(model_config(cfg))
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))

@@ -6,6 +6,7 @@ and the peak of forward + backward. What the wrapper does with parameters and
 gradients is added by :mod:`.step` from the plan (``docs/plan.md``).
 """
 import copy
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
 from ..policies import apply_activation_checkpointing_to
+from ..wrappers.fsdp2 import compute_in_fp32
 
 __all__ = ['StepTrace', 'trace_step']
 
@@ -104,29 +106,57 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def _fake_copy(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> nn.Module:
-    """A copy of ``model`` (call under fake mode) whose tensors are fake CPU tensors.
+def _copy_replacing(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are ``make(tensor)``.
+
+    The tensors are never copied themselves: a real model costs no memory, and
+    no buffer is deep-copied inside fake mode (a plain buffer cannot be: fake
+    tensors have no ``new_empty``). Tied tensors stay one tensor.
+    """
+    memo: Dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) not in memo:
+            made = make(tensor)
+            memo[id(tensor)] = (nn.Parameter(made, tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else made)
+    return copy.deepcopy(model, memo)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device='meta')
+
+
+def _fake_copy(shell: nn.Module, compute_dtype: Optional[torch.dtype],
+               fp32_modules: Tuple[str, ...] = ()) -> nn.Module:
+    """``shell`` (a :func:`_copy_replacing` copy) with fake CPU tensors (call under fake mode).
 
     Floating-point parameters take ``compute_dtype``, as mixed precision
-    gathers them; tied parameters stay one tensor.
+    gathers them, except those of ``fp32_modules``, which compute in fp32 with
+    their inputs cast up and outputs cast back, as the wrappers run them.
     """
-    fake = copy.deepcopy(model)
-    made: Dict[int, torch.Tensor] = {}  # by id of the original: tied tensors stay tied
+    fake = shell
+    kept = tuple(fp32_modules)
+    made: Dict[int, torch.Tensor] = {}  # by id of the placeholder: tied tensors stay tied
 
     def empty(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
         if dtype is None or not t.is_floating_point():
             dtype = t.dtype
         return torch.empty(t.shape, dtype=dtype, device='cpu')
 
-    for module in fake.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
+    for name, module in fake.named_modules():
+        in_fp32 = any(name == k or name.startswith(k + '.') for k in kept)
+        dtype = None if in_fp32 else compute_dtype
+        for pname, param in list(module.named_parameters(recurse=False)):
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(empty(param, compute_dtype), param.requires_grad)
-            module.register_parameter(name, made[id(param)])
-        for name, buffer in list(module.named_buffers(recurse=False)):
+                made[id(param)] = nn.Parameter(empty(param, dtype), param.requires_grad)
+            module.register_parameter(pname, made[id(param)])
+        for bname, buffer in list(module.named_buffers(recurse=False)):
             if id(buffer) not in made:
                 made[id(buffer)] = empty(buffer, None)
-            replace_registered(module, name, made[id(buffer)])
+            replace_registered(module, bname, made[id(buffer)])
+    if compute_dtype is not None:
+        for name in kept:
+            compute_in_fp32(fake.get_submodule(name))
     return fake.train()
 
 
@@ -156,17 +186,77 @@ def _loss(output: Any) -> torch.Tensor:
     return sum(t.float().sum() if t.dim() else t.float() for t in leaves)
 
 
+def _preprocessor_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose data preprocessor holds real CPU tensors (the rest: meta).
+
+    The batch is made with real tensors, before fake mode: preprocessing code
+    may branch on values (mmengine's ``stack_batch`` on the padding it needs),
+    which fake tensors do not have. A meta buffer (a dry run's model) has no
+    value either: it becomes ones (floats) or zeros, which keeps the batch's
+    shapes and dtypes, all that the trace measures.
+    """
+    pre = getattr(model, 'data_preprocessor', None)
+    own = ({id(t) for t in itertools.chain(pre.parameters(), pre.buffers())}
+           if isinstance(pre, nn.Module) else set())
+
+    def make(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in own:
+            return _meta(t)
+        if not t.is_meta:
+            return t.detach().clone()
+        fill = torch.ones if t.is_floating_point() else torch.zeros
+        return fill(t.shape, dtype=t.dtype, device='cpu')
+
+    return _copy_replacing(model, make)
+
+
+def _real_batch(model: nn.Module, batch: BatchFn) -> Tuple[tuple, Dict[str, Any], set]:
+    """``batch`` run on real tensors, and the storages it allocated (counted in the trace)."""
+    made = _LiveBytes()
+    with made:
+        args, kwargs = batch(_preprocessor_copy(model))
+    return args, kwargs, set(made.live)
+
+
+def _into_trace(value: Any, allocated: set, compute_dtype: Optional[torch.dtype],
+                keep: List[torch.Tensor]) -> Any:
+    """The batch as the traced step sees it (call under the live-bytes mode).
+
+    What preprocessing allocated is allocated again here, so that it counts
+    as it did when the batch was made inside the trace; floating inputs are
+    cast to ``compute_dtype``, as mixed precision casts the root's inputs.
+    """
+    if isinstance(value, (list, tuple)):
+        return type(value)(_into_trace(v, allocated, compute_dtype, keep) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _into_trace(v, allocated, compute_dtype, keep) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor):
+        return value
+    if storage_key(value) in allocated:
+        value = value.clone()
+        keep.append(value)  # the step holds its preprocessed batch until it ends
+    if compute_dtype is not None and value.is_floating_point():
+        value = value.to(compute_dtype)
+    return value
+
+
 def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
                checkpoint_layers: Tuple[Type[nn.Module], ...] = (),
-               compute_dtype: Optional[torch.dtype] = None) -> StepTrace:
+               compute_dtype: Optional[torch.dtype] = None,
+               fp32_modules: Tuple[str, ...] = ()) -> StepTrace:
     """Trace forward + backward of ``model`` (real or on the meta device; left untouched).
 
     ``units`` are the wrapper's unit names (:attr:`ShardingSpec.units`);
     ``checkpoint_layers`` the classes wrapped in activation checkpointing;
-    ``compute_dtype`` the dtype mixed precision computes in.
+    ``compute_dtype`` the dtype mixed precision computes in, and
+    ``fp32_modules`` the modules that compute in fp32 all the same
+    (:attr:`ShardingSpec.fp32_units`).
     """
+    args, kwargs, allocated = _real_batch(model, batch)
+    shell = _copy_replacing(model, _meta)
+    keep: List[torch.Tensor] = []
     with fake_tensor_mode():
-        fake = _fake_copy(model, compute_dtype)
+        fake = _fake_copy(shell, compute_dtype, fp32_modules)
         live = _LiveBytes()
         _track_units(fake, units, live)
         apply_activation_checkpointing_to(fake, tuple(checkpoint_layers))
@@ -175,7 +265,7 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
             # its own buffers, counted by the plan): keep none here.
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, 'grad', None))
         with live:
-            args, kwargs = batch(fake)
+            args, kwargs = _into_trace((args, kwargs), allocated, compute_dtype, keep)
             loss = _loss(fake(*args, **kwargs))
             activations, by_unit, sizes = live.current, live.by_unit(), live.sizes()
             loss.backward()
