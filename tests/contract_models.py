@@ -145,6 +145,11 @@ class ToyGAN(BaseModel):
     def noise(inputs: torch.Tensor) -> torch.Tensor:
         return torch.tanh(inputs[:, :NOISE_DIM].flip(-1))
 
+    def discriminator_loss(self, real: torch.Tensor) -> torch.Tensor:
+        fake = self.generator(self.noise(real)).detach()
+        return (F.softplus(self.discriminator(fake)).mean()
+                + F.softplus(-self.discriminator(real)).mean())
+
     def train_step(self, data: Any, optim_wrapper: OptimWrapperDict) -> dict:
         data = self.data_preprocessor(data, True)
         real = data['inputs']
@@ -152,9 +157,7 @@ class ToyGAN(BaseModel):
         # The generator's loss also reached the discriminator in the last step.
         disc.zero_grad()
         with disc.optim_context(self.discriminator):
-            fake = self.generator(self.noise(real)).detach()
-            loss_d = (F.softplus(self.discriminator(fake)).mean()
-                      + F.softplus(-self.discriminator(real)).mean())
+            loss_d = self.discriminator_loss(real)
         disc.update_params(loss_d)
         gen = optim_wrapper['generator']
         with gen.optim_context(self.generator):
@@ -226,9 +229,7 @@ class OverflowOnRank1GAN(ToyGAN):
         disc = optim_wrapper['discriminator']
         disc.zero_grad()
         with disc.optim_context(self.discriminator):
-            fake = self.generator(self.noise(real)).detach()
-            loss_d = (F.softplus(self.discriminator(fake)).mean()
-                      + F.softplus(-self.discriminator(real)).mean())
+            loss_d = self.discriminator_loss(real)
         disc.backward(loss_d)
         if torch.distributed.get_rank() == 1:
             grad = next(p.grad for p in self.discriminator.parameters()
