@@ -44,8 +44,7 @@ class DDPConfig(WrapperConfig):
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     NAME: ClassVar[str] = NAME
-    auto_wrap_policy = None
-    activation_checkpointing = None
+    #: DDP builds no model on the meta device (``Wrapping.meta_init`` reads it).
     init_device = None
 
     @classmethod
