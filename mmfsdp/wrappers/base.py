@@ -237,6 +237,8 @@ class WrapperConfig:
     TRANSLATED: ClassVar[Tuple[str, ...]] = ()
     #: The wrapper's name in configs and errors.
     NAME: ClassVar[str] = ''
+    #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
+    trainable_roots_only: ClassVar[bool] = False
 
     auto_wrap_policy: PolicyConfig
     activation_checkpointing: Optional[Mapping[str, Any]]
@@ -273,9 +275,6 @@ class WrapperConfig:
                       checkpoint_layers=resolve_activation_checkpointing(
                           self.activation_checkpointing, module),
                       fp32_modules=self._fp32_modules(module))
-
-    #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
-    trainable_roots_only: ClassVar[bool] = False
 
     def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
         return units
