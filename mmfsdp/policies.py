@@ -25,12 +25,11 @@ Users register their own predicate, whose extra arguments become config keys::
     def big_linears(module, recurse, nonwrapped_numel, min_params=1000):
         return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
 
-Two more choices of submodules live here: FSDP2's units are merged where a
-parameter is shared by two of them (:func:`merge_units_sharing_parameters`:
-FSDP2 gives every parameter to one group; a tied embedding / LM head is the
-classic case), and ``activation_checkpointing=dict(layer_cls=[...])`` picks
-the layers whose activations are recomputed in backward (torch's
-non-reentrant checkpoint, which composes with FSDP's hooks and ``no_sync``).
+FSDP2's units are merged where a parameter is shared by two of them
+(:func:`merge_units_sharing_parameters`: FSDP2 gives every parameter to one
+group; a tied embedding / LM head is the classic case). What is done to layers
+before sharding (activation checkpointing, regional compile) is
+:mod:`mmfsdp.layers`.
 """
 import functools
 import inspect
@@ -43,7 +42,6 @@ from typing import (
     Iterable,
     List,
     Mapping,
-    Optional,
     Sequence,
     Set,
     Tuple,
@@ -54,13 +52,11 @@ from typing import (
 from mmengine.logging import print_log
 from torch import nn
 
-from .compat import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
-from .options import check_keys, resolve_module_classes, suggest
+from .options import resolve_module_classes, suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['Merge', 'ROOT', 'WrapPolicy', 'apply_activation_checkpointing_to', 'build_wrap_policy',
-           'merge_units_sharing_parameters', 'module_types', 'plan_units',
-           'resolve_activation_checkpointing', 'size_based', 'transformer']
+__all__ = ['Merge', 'ROOT', 'WrapPolicy', 'build_wrap_policy', 'merge_units_sharing_parameters',
+           'module_types', 'plan_units', 'size_based', 'transformer']
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
@@ -310,35 +306,3 @@ def merge_units_sharing_parameters(model: nn.Module,
                   f'{", ".join(merge.dropped)} will not be sharded as separate units and '
                   f'their parameters join {merge.owner}', logger='current',
                   level=logging.WARNING)
-
-
-# ---- activation checkpointing by layer class ---------------------------------------------
-KEY = 'model_wrapper_cfg.activation_checkpointing'
-
-
-def resolve_activation_checkpointing(cfg: Optional[Mapping[str, Any]],
-                                     model: nn.Module) -> Tuple[Type[nn.Module], ...]:
-    """Resolve ``activation_checkpointing=dict(layer_cls=[...])`` against ``model``.
-
-    Returns the layer classes to checkpoint; empty for ``None`` (off).
-    """
-    if cfg is None:
-        return ()
-    if not isinstance(cfg, Mapping):
-        raise TypeError(f'{KEY}: expected None or dict(layer_cls=[...]), got '
-                        f'{type(cfg).__name__} {cfg!r}')
-    check_keys(cfg, ('layer_cls', ), KEY)
-    if 'layer_cls' not in cfg:
-        raise TypeError(f"{KEY}: missing 'layer_cls', the layer classes to checkpoint")
-    return resolve_module_classes(cfg['layer_cls'], model, f'{KEY}.layer_cls')
-
-
-def apply_activation_checkpointing_to(model: nn.Module,
-                                      layer_cls: Tuple[Type[nn.Module], ...]) -> None:
-    """Wrap every ``layer_cls`` instance in ``model`` in a non-reentrant checkpoint."""
-    if layer_cls:
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda module: isinstance(module, layer_cls))

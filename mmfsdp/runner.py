@@ -98,6 +98,12 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                                          self.cfg.get('default_scope', 'mmengine'))
         if self._wrapping.ours:
             self._wrapping.config.check_device(current_device())
+            if self.cfg.get('compile') and self._wrapping.config.regional_compile is not None:
+                raise ValueError(
+                    f"compile={self.cfg['compile']!r} compiles the whole train_step and "
+                    'model_wrapper_cfg.regional_compile compiles the named layers one by one; '
+                    'keep one of them (regional_compile: small graphs compiled once per layer '
+                    'class, the collectives outside them)')
         self._meta_init = self.distributed and self._wrapping.meta_init
         self._layout: Optional[Layout] = None  # the model walked into units, once
         self._checked = False

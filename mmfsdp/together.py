@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .compat import VERSION
+from .compat import VERSION, compiled_modules
 
 if TYPE_CHECKING:
     from .wrappers.base import Layout
@@ -233,15 +233,23 @@ _SHOWN = 10
 
 
 class UsageProbe:
-    """Records which parameter-holding modules of ``module`` run, until :meth:`remove`."""
+    """Records which parameter-holding modules of ``module`` run, until :meth:`remove`.
+
+    A compiled submodule (``regional_compile``) is recorded as a whole: a hook
+    inside it would break its graph, or stop the compiler from taking a
+    checkpointed layer at all.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self._ran: Set[str] = set()
         self._module = module
+        whole = compiled_modules(module)
         self._handles = [
             child.register_forward_hook(functools.partial(self._record, name))
             for name, child in module.named_modules()
-            if any(p.requires_grad for p in child.parameters(recurse=False))]
+            if not any(name.startswith(f'{w}.') for w in whole) and (
+                name in whole or any(p.requires_grad for p in child.parameters(recurse=False)))]
+        self._whole = whole
 
     def _record(self, name: str, *_) -> None:
         self._ran.add(name)
@@ -252,7 +260,8 @@ class UsageProbe:
             handle.remove()
         used = []
         for name, child in self._module.named_modules():
-            if name in self._ran:
+            if name in self._ran or any(name.startswith(f'{w}.') and w in self._ran
+                                        for w in self._whole):
                 used += [f'{name}.{n}' if name else n
                          for n, p in child.named_parameters(recurse=False) if p.requires_grad]
         return sorted(used)

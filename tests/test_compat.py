@@ -248,6 +248,23 @@ def test_activation_checkpoint_wrapper_holds_the_module_as_checkpoint_wrapped_mo
     assert compat.checkpoint_inner(model[1]) is None
 
 
+def test_module_compile_is_seen_by_compiled_modules():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    model[1].compile(backend='eager')
+    assert compat.compiled_modules(model) == ('1', ), \
+        'nn.Module.compile no longer keeps _compiled_call_impl: UsageProbe hooks compiled layers'
+
+
+def test_activation_memory_budget_is_the_partitioners_setting():
+    import torch._functorch.config as functorch_config
+    before = functorch_config.activation_memory_budget
+    try:
+        compat.set_activation_memory_budget(0.25)
+        assert functorch_config.activation_memory_budget == 0.25
+    finally:
+        functorch_config.activation_memory_budget = before
+
+
 def test_fsdp1_names_its_wrapped_module():
     assert fsdp1_module.FSDP_WRAPPED_MODULE == compat.FSDP_WRAPPED_MODULE
 

@@ -51,6 +51,9 @@ CPU_ERRORS = {
 START_UP_ERRORS = {
     'torchrun without --launcher': (dict(launcher='none'), ValueError, [
         "launcher: 'none'", 'WORLD_SIZE=2', '--launcher pytorch']),
+    'whole-step and regional compile': (dict(compile=True, model_wrapper_cfg=dict(
+        type=DDP, regional_compile=dict(layer_cls=['ToyBlock']))), ValueError, [
+        'compile=True', 'model_wrapper_cfg.regional_compile', 'keep one']),
 }
 CPU_START_UP_ERRORS = {
     'nccl on a CPU-only machine': (dict(env_cfg=dict(dist_cfg=dict(backend='nccl', timeout=60))),
@@ -69,6 +72,8 @@ MODEL_ERRORS = {
     'checkpoint layer absent': (dict(type=FSDP, auto_wrap_policy=BLOCKS,
                                      activation_checkpointing=dict(layer_cls=['Block'])),
                                 ValueError, ['activation_checkpointing.layer_cls', "'Block'"]),
+    'compiled layer absent': (dict(type=DDP, regional_compile=dict(layer_cls=['Block'])),
+                              ValueError, ['regional_compile.layer_cls', "'Block'", 'ToyBlock']),
 }
 
 
@@ -156,7 +161,7 @@ def test_what_the_cpu_cannot_do_is_refused_before_the_process_group_starts(ranks
 
 
 @pytest.mark.parametrize('name', list(START_UP_ERRORS))
-def test_launch_mistake_is_refused_on_every_rank_before_the_process_group(ranks, name):
+def test_start_up_mistake_is_refused_on_every_rank_before_the_process_group(ranks, name):
     _, error, fragments = START_UP_ERRORS[name]
     _assert_same_error_on_every_rank(ranks, name, error, fragments)
     assert [r[name][2] for r in ranks] == [False, False]

@@ -23,11 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 __all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'DCPNameHook',
            'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2',
            'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
-           'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'convert_tensors',
+           'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
+           'convert_tensors',
            'direct_tensor', 'direct_tensors', 'fake_tensor_mode', 'fsdp1_reshard_if_gathered',
            'gloo_worker_threads', 'initialiser', 'operator_name', 'registered_buffers',
            'registered_child', 'registered_children', 'registered_parameters',
-           'replace_registered', 'set_fsdp1_gradient_sync', 'storage_key', 'written_arguments']
+           'replace_registered', 'set_activation_memory_budget', 'set_fsdp1_gradient_sync',
+           'storage_key', 'written_arguments']
 
 #: The child name torch's FSDP1 gives the module it wraps.
 FSDP_WRAPPED_MODULE = '_fsdp_wrapped_module'
@@ -67,6 +69,21 @@ def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> Non
     """Whether this FSDP1 unit's next backward reduces gradients."""
     # why: the flag no_sync toggles, read in backward; mmengine leaves no_sync before backward
     module._sync_gradients = sync
+
+
+def compiled_modules(module: nn.Module) -> Tuple[str, ...]:
+    """Names of the submodules of ``module`` whose calls ``nn.Module.compile`` compiled."""
+    # why: Module.compile keeps the compiled call only in this private attribute
+    return tuple(name for name, m in module.named_modules()
+                 if getattr(m, '_compiled_call_impl', None) is not None)
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """Let torch.compile's partitioner keep at most ``budget`` of a graph's activations (0 to 1)."""
+    import torch._functorch.config as functorch_config
+
+    # why: torch exposes the memory-budget partitioner only as this private config (2.4+)
+    functorch_config.activation_memory_budget = budget
 
 
 def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
-from ..policies import apply_activation_checkpointing_to
+from ..layers import apply_activation_checkpointing_to
 from ..wrappers.fsdp2 import compute_in_fp32
 
 __all__ = ['StepTrace', 'trace_step']

@@ -42,6 +42,16 @@ from torch import nn
 
 from ..compat import DCPNameHook, call_stack
 from ..dist import current_device
+from ..layers import (
+    AC_KEY,
+    COMPILE_KEY,
+    ActivationCheckpointing,
+    RegionalCompile,
+    check_layer_options,
+    layer_classes,
+    resolve_activation_checkpointing,
+    resolve_regional_compile,
+)
 from ..options import (
     Accumulation,
     Fp32Modules,
@@ -49,15 +59,9 @@ from ..options import (
     computes_in_low_precision,
     resolve_fp32_modules,
 )
-from ..policies import (
-    PolicyConfig,
-    WrapPolicy,
-    build_wrap_policy,
-    plan_units,
-    resolve_activation_checkpointing,
-)
+from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
 
-__all__ = ['Construction', 'DataParallelSteps', 'Layout', 'ModelHolder',
+__all__ = ['Construction', 'DataParallelSteps', 'LAYER_RESOLVERS', 'Layout', 'ModelHolder',
            'Padding', 'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig',
            'fp32_module_names', 'is_parallel_wrapper', 'own_steps', 'reject_stock_runner',
            'separate_roots', 'units_children_first', 'within']
@@ -186,6 +190,11 @@ class Layout:
     units: Tuple[str, ...] = ()
     #: Layer classes whose activations are recomputed in backward.
     checkpoint_layers: Tuple[Type[nn.Module], ...] = ()
+    #: How they are recomputed (``activation_checkpointing``; ``None``: off).
+    checkpointing: Optional[ActivationCheckpointing] = None
+    #: Layer classes compiled one by one (``regional_compile``), and how.
+    compile_layers: Tuple[Type[nn.Module], ...] = ()
+    regional_compile: Optional[RegionalCompile] = None
     #: For a model with its own steps: the children sharded as separate roots.
     roots: Optional[Tuple[str, ...]] = None
     #: Submodules that compute in fp32 under mixed precision
@@ -241,7 +250,8 @@ class WrapperConfig:
     trainable_roots_only: ClassVar[bool] = False
 
     auto_wrap_policy: PolicyConfig
-    activation_checkpointing: Optional[Mapping[str, Any]]
+    activation_checkpointing: Optional[ActivationCheckpointing]
+    regional_compile: Optional[RegionalCompile]
     init_device: Optional[str]
     accumulation: Accumulation
 
@@ -250,8 +260,11 @@ class WrapperConfig:
         """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
         check_keys(cfg, [f.name for f in fields(cls)] + list(cls.TRANSLATED), 'model_wrapper_cfg')
         options = cls._translate(dict(cfg))
-        return cls(**{name: cls.RESOLVERS.get(name, _as_is)(value)
-                      for name, value in options.items()})
+        resolvers = {**LAYER_RESOLVERS, **cls.RESOLVERS}
+        config = cls(**{name: resolvers.get(name, _as_is)(value)
+                        for name, value in options.items()})
+        check_layer_options(config.activation_checkpointing, config.regional_compile)
+        return config
 
     @classmethod
     def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -272,9 +285,15 @@ class WrapperConfig:
             roots = tuple(separate_roots(module, self.NAME, self.trainable_roots_only))
             self._check_own_steps(module)
         return Layout(policy=policy, units=self._merge(module, units), roots=roots,
-                      checkpoint_layers=resolve_activation_checkpointing(
-                          self.activation_checkpointing, module),
-                      fp32_modules=self._fp32_modules(module))
+                      fp32_modules=self._fp32_modules(module), **self._layers(module))
+
+    def _layers(self, module: nn.Module) -> Dict[str, Any]:
+        """The layout's checkpointed and compiled layers (:mod:`mmfsdp.layers`)."""
+        return dict(
+            checkpoint_layers=layer_classes(self.activation_checkpointing, module, AC_KEY),
+            checkpointing=self.activation_checkpointing,
+            compile_layers=layer_classes(self.regional_compile, module, COMPILE_KEY),
+            regional_compile=self.regional_compile)
 
     def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
         return units
@@ -305,6 +324,12 @@ class WrapperConfig:
 
 def _as_is(value: Any) -> Any:
     return value
+
+
+#: The resolvers of the options every wrapper has (:mod:`mmfsdp.layers`).
+LAYER_RESOLVERS: Mapping[str, Resolver] = dict(
+    activation_checkpointing=resolve_activation_checkpointing,
+    regional_compile=resolve_regional_compile)
 
 
 def resolved(config_cls: Type[WrapperConfig], config: Optional[WrapperConfig],

@@ -9,10 +9,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import teardown_at_exit
+from ..layers import (
+    ActivationCheckpointing,
+    RegionalCompile,
+    check_layer_options,
+    prepare_layers,
+)
 from ..optim import clip_grads_by_global_norm
 from ..options import check_keys
 from ..registry import MODEL_WRAPPERS
 from .base import (
+    LAYER_RESOLVERS,
     DataParallelSteps,
     Layout,
     Padding,
@@ -34,12 +41,15 @@ class DDPConfig(WrapperConfig):
     """The options of :class:`MMDistributedDataParallel`: DDP's keyword arguments, checked.
 
     mmengine's defaults (``broadcast_buffers=False``, ``gradient_as_bucket_view``
-    as torch's) and its ``detect_anomalous_params``; any other keyword of
-    torch's ``DistributedDataParallel`` is passed on.
+    as torch's) and its ``detect_anomalous_params``; mmfsdp's
+    ``activation_checkpointing`` and ``regional_compile`` (:mod:`mmfsdp.layers`);
+    any other keyword of torch's ``DistributedDataParallel`` is passed on.
     """
 
     #: Log parameters that took no part in the loss (mmengine's DDP option).
     detect_anomalous_params: bool = False
+    activation_checkpointing: Optional[ActivationCheckpointing] = None
+    regional_compile: Optional[RegionalCompile] = None
     #: Keyword arguments of torch's ``DistributedDataParallel``.
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -60,26 +70,29 @@ class DDPConfig(WrapperConfig):
         """
         valid = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
                  if n not in _DERIVED]
-        check_keys(cfg, valid + ['detect_anomalous_params'], 'model_wrapper_cfg')
-        kwargs = {k: v for k, v in cfg.items() if k != 'detect_anomalous_params'}
+        ours = ('detect_anomalous_params', *LAYER_RESOLVERS)
+        check_keys(cfg, valid + list(ours), 'model_wrapper_cfg')
+        kwargs = {k: v for k, v in cfg.items() if k not in ours}
         if 'forward_sync_buffers' not in kwargs:
             kwargs['forward_sync_buffers'] = kwargs.get('broadcast_buffers') or False
         kwargs.pop('broadcast_buffers', None)
         kwargs.setdefault('gradient_as_bucket_view', True)  # no second copy of the gradients
+        layers = {k: resolve(cfg.get(k)) for k, resolve in LAYER_RESOLVERS.items()}
+        check_layer_options(layers['activation_checkpointing'], layers['regional_compile'])
         return cls(detect_anomalous_params=bool(cfg.get('detect_anomalous_params', False)),
-                   ddp_kwargs=kwargs)
+                   ddp_kwargs=kwargs, **layers)
 
     def layout(self, module: nn.Module) -> Layout:
-        """No units; a model with its own ``train_step`` is refused."""
+        """The checkpointed and compiled layers (no units); an own ``train_step`` is refused."""
         _refuse_own_train_step(module)
-        return Layout()
+        return Layout(**self._layers(module))
 
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
         """Every rank holds everything."""
         return ShardingSpec(
             wrapper=NAME, strategy='REPLICATE', shard_size=1, replicate_size=world_size,
             units=(), padding=Padding.NONE, shard_params=False, shard_grads=False,
-            shard_optimizer=False)
+            shard_optimizer=False, checkpoint_layers=layout.checkpoint_layers)
 
 
 @MODEL_WRAPPERS.register_module()
@@ -104,9 +117,9 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
     def __init__(self, module: nn.Module, device_ids: Optional[List[int]] = None, *,
                  config: Optional[DDPConfig] = None, layout: Optional[Layout] = None,
                  **options: Any) -> None:
-        del device_ids, layout
+        del device_ids
         cfg = config if config is not None else DDPConfig.from_dict(options)
-        _refuse_own_train_step(module)
+        prepare_layers(module, layout or cfg.layout(module))
         device = next(module.parameters()).device
         super().__init__(module, device_ids=None if device.type == 'cpu' else [device.index],
                          **cfg.ddp_kwargs)

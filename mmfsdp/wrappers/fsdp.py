@@ -22,6 +22,7 @@ from torch.distributed.fsdp import (
 
 from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync
 from ..dist import current_device, local_world_size, teardown_at_exit
+from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
 from ..optim import clip_grads_by_global_norm
 from ..options import (
@@ -38,7 +39,7 @@ from ..options import (
     resolve_mixed_precision,
     resolve_sharding_strategy,
 )
-from ..policies import PolicyConfig, apply_activation_checkpointing_to
+from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
 from .base import (
     AccumulationNoSync,
@@ -101,8 +102,11 @@ class FSDPConfig(WrapperConfig):
     mixed_precision: Optional[MixedPrecision] = None
     #: Keep sharded parameters and gradients on the CPU (accelerators only).
     cpu_offload: CPUOffload = field(default_factory=CPUOffload)
-    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
-    activation_checkpointing: Optional[Mapping[str, Any]] = None
+    #: ``dict(layer_cls=[...], mode=...)``: layers whose activations are
+    #: recomputed in backward (:mod:`mmfsdp.layers`).
+    activation_checkpointing: Optional[ActivationCheckpointing] = None
+    #: ``dict(layer_cls=[...], **torch.compile options)``: layers compiled one by one.
+    regional_compile: Optional[RegionalCompile] = None
     #: Fetch the next unit's parameters during forward, ahead of its use.
     forward_prefetch: bool = False
     #: Bound the number of all-gathers in flight (caps memory on accelerators).
@@ -199,6 +203,11 @@ def _planned_policy(module: nn.Module, units: Tuple[str, ...]) -> Any:
     return lambda module, recurse, nonwrapped_numel: recurse or id(module) in ids
 
 
+def _with_classes(option: Any, classes: Tuple[type, ...]) -> Any:
+    """``option`` (a layer option of :mod:`mmfsdp.layers`) naming ``classes`` instead of names."""
+    return option if option is None or not option.layer_cls else replace(option, layer_cls=classes)
+
+
 def _fp32_classes(module: nn.Module, layout: Layout) -> Tuple[type, ...]:
     """The classes of the layout's modules kept in fp32 (FSDP1 takes classes)."""
     return tuple(dict.fromkeys(type(module.get_submodule(n)) for n in layout.fp32_modules))
@@ -283,7 +292,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
             sync_module_states=bool(cfg.sync_module_states) or (on_meta and device.type != 'cpu'),
             use_orig_params=True)
         set_preprocessor_device(self.module, device)
-        apply_activation_checkpointing_to(self, layout.checkpoint_layers)
+        prepare_layers(self, layout)  # inside the units: FSDP1's hooks stay outside compiled code
         self._accumulation = cfg.accumulation
         teardown_at_exit()
 
@@ -328,8 +337,12 @@ class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, Paralle
             # buffers it holds itself are materialised too (no staging: own steps).
             materialize(module, device, broadcast='all')
             cfg = replace(cfg, init_device=None)
-        # The children resolve no names: the classes kept in fp32 in the whole model.
-        cfg = replace(cfg, fp32_modules=_fp32_classes(module, layout))
+        # The children resolve no names: the classes the whole model resolved them to.
+        cfg = replace(cfg, fp32_modules=_fp32_classes(module, layout),
+                      activation_checkpointing=_with_classes(cfg.activation_checkpointing,
+                                                             layout.checkpoint_layers),
+                      regional_compile=_with_classes(cfg.regional_compile,
+                                                     layout.compile_layers))
         for name in layout.roots:
             child = module.get_submodule(name)
             module.register_module(name, MMFullyShardedDataParallel(child, config=cfg))

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import (
 
 from ..compat import checkpoint_inner
 from ..dist import current_device, local_world_size, teardown_at_exit
+from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize
 from ..optim import clip_grads_by_global_norm
 from ..options import (
@@ -36,11 +37,7 @@ from ..options import (
     resolve_reshard_after_forward,
     translate_sharding_strategy,
 )
-from ..policies import (
-    PolicyConfig,
-    apply_activation_checkpointing_to,
-    merge_units_sharing_parameters,
-)
+from ..policies import PolicyConfig, merge_units_sharing_parameters
 from ..registry import MODEL_WRAPPERS
 from ..together import UsageProbe, check_same_parameters_used
 from .base import (
@@ -85,8 +82,11 @@ class FullyShardConfig(WrapperConfig):
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     #: Keep sharded parameters, gradients and optimizer state on the CPU.
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
-    #: ``dict(layer_cls=[...])``: layers whose activations are recomputed in backward.
-    activation_checkpointing: Optional[Mapping[str, Any]] = None
+    #: ``dict(layer_cls=[...], mode=...)``: layers whose activations are
+    #: recomputed in backward (:mod:`mmfsdp.layers`).
+    activation_checkpointing: Optional[ActivationCheckpointing] = None
+    #: ``dict(layer_cls=[...], **torch.compile options)``: layers compiled one by one.
+    regional_compile: Optional[RegionalCompile] = None
     #: ``'meta'``: build on the meta device, shard, then materialise each shard.
     init_device: Optional[str] = None
     #: Reduce a zero gradient for every parameter that got none in this rank's
@@ -296,13 +296,14 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
 
     The modules kept in fp32 (``layout.fp32_modules``) with parameters are
     groups of their own under :data:`FP32_POLICY`, as is any unit inside one.
-    The checkpointed layers are wrapped first, so a unit that is such a layer
-    is sharded as its checkpoint wrapper. Returns the roots.
+    The layers are checkpointed and compiled first (:func:`prepare_layers`),
+    so a unit that is a checkpointed layer is sharded as its checkpoint
+    wrapper. Returns the roots.
     """
     roots = list(layout.roots) if layout.roots is not None else ['']
     targets = {name: module.get_submodule(name) for name in _groups(module, layout)}
     kept = [module.get_submodule(name) for name in layout.fp32_modules]
-    apply_activation_checkpointing_to(module, layout.checkpoint_layers)
+    prepare_layers(module, layout)
     outer = {id(checkpoint_inner(m)): m for m in module.modules()
              if checkpoint_inner(m) is not None}
     shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload_policy)
