@@ -1,12 +1,13 @@
 """Regional compile and the activation-checkpointing modes train what eager training trains.
 
 ``regional_compile=dict(layer_cls=[...])`` compiles each named layer on its
-own; ``activation_checkpointing`` recomputes activations fully, selectively
-(matrix products kept) or within a memory budget (the compiler decides; needs
-compiled layers). Under FSDP1, FSDP2 and DDP at 2 ranks, every combination
-trains equal to one eager process of mmengine's stock ``Runner`` on the global
-batch, and a run resumed from its checkpoint ends exactly where the
-uninterrupted run ends. The unit checks (no process) show what each mode keeps.
+own (mmengine's ``compile`` compiles the whole ``train_step``);
+``activation_checkpointing`` recomputes activations fully, selectively (matrix
+products kept) or within a memory budget (the compiler decides; needs compiled
+layers). Under FSDP1, FSDP2 and DDP at 2 ranks, every combination trains equal
+to one eager process of mmengine's stock ``Runner`` on the global batch, and a
+run resumed from its checkpoint ends exactly where the uninterrupted run ends.
+The unit checks (no process) show what each mode keeps.
 """
 import pytest
 import torch
@@ -45,6 +46,8 @@ CASES = [(w, c) for c in COMBINATIONS for w in WRAPPERS]
 INDUCTOR = ('fsdp2', 'inductor+selective')
 INDUCTOR_OPTIONS = dict(regional_compile=dict(layer_cls=BLOCK), activation_checkpointing=dict(
     layer_cls=BLOCK, mode='selective'))
+#: mmengine's own ``compile`` (the whole ``train_step``).
+WHOLE_STEP = [('fsdp2', 'whole-step compile')]
 #: Calls of compiled graphs that hold a linear layer (a block's), in this process.
 CALLS = [0]
 
@@ -78,18 +81,20 @@ def _train_all(root: str) -> dict:
     out = {}
     cases = [(w, c, dict(WRAPPERS[w], **COMBINATIONS[c])) for w, c in CASES[:-3]]
     cases.append((*INDUCTOR, dict(WRAPPERS[INDUCTOR[0]], **INDUCTOR_OPTIONS)))
+    cases += [(w, c, WRAPPERS[w]) for w, c in WHOLE_STEP]
     cases += [(w, c, dict(WRAPPERS[w], **COMBINATIONS[c])) for w, c in CASES[-3:]]
     for wrapper_name, combination, wrapper in cases:
         work_dir = f'{root}/{wrapper_name}-{combination}'
         calls = CALLS[0]
+        extra = dict(compile=dict(backend=BACKEND)) if 'whole-step' in combination else {}
         cfg = checkpointing_config(work_dir, wrapper, 2, global_batch=GLOBAL_BATCH,
-                                   max_iters=ITERS, interval=INTERVAL)
+                                   max_iters=ITERS, interval=INTERVAL, **extra)
         runner = FSDPRunner.from_cfg(cfg)
         runner.train()
         uninterrupted = _state(runner)
         cfg = checkpointing_config(f'{work_dir}-resumed', wrapper, 2, global_batch=GLOBAL_BATCH,
                                    max_iters=ITERS, interval=INTERVAL,
-                                   resume_from=f'{work_dir}/iter_{INTERVAL}.pth')
+                                   resume_from=f'{work_dir}/iter_{INTERVAL}.pth', **extra)
         runner = FSDPRunner.from_cfg(cfg)
         runner.train()
         out[wrapper_name, combination] = dict(
@@ -110,20 +115,21 @@ def one_process(tmp_path_factory) -> dict:
     return train_one_process(cfg)['state']
 
 
-@pytest.mark.parametrize('wrapper,combination', CASES + [INDUCTOR])
+@pytest.mark.parametrize('wrapper,combination', CASES + [INDUCTOR] + WHOLE_STEP)
 def test_trains_equal_to_one_eager_process(runs, one_process, wrapper, combination):
     diff = max_abs_diff(runs[wrapper, combination]['state'], one_process)
     print(f'{wrapper} {combination}: max abs diff {diff:.2e}')
     assert diff <= TOL
 
 
-@pytest.mark.parametrize('wrapper,combination', CASES + [INDUCTOR])
+@pytest.mark.parametrize('wrapper,combination', CASES + [INDUCTOR] + WHOLE_STEP)
 def test_resumes_exactly(runs, wrapper, combination):
     run = runs[wrapper, combination]
     assert max_abs_diff(run['resumed'], run['state']) == 0
 
 
-@pytest.mark.parametrize('wrapper,combination', [c for c in CASES if 'compile' in c[1]])
+@pytest.mark.parametrize('wrapper,combination',
+                         [c for c in CASES if 'compile' in c[1]] + WHOLE_STEP)
 def test_the_named_layers_are_compiled(runs, wrapper, combination):
     run = runs[wrapper, combination]
     # 3 blocks x (4 iterations + 2 resumed), as graph pieces where the wrapper's hooks break it
