@@ -78,7 +78,8 @@ class CollectiveCounter:
     """While active, count every collective issued through a ``ProcessGroup``.
 
     ``snapshot()`` returns ``dict(send_bytes=..., by_op={method: dict(calls,
-    payload_bytes, send_bytes)})``; ``reset()`` starts a new count.
+    payload_bytes, send_bytes)}, by_group={(method, group name): payload_bytes})``;
+    ``reset()`` starts a new count.
     """
 
     def __init__(self) -> None:
@@ -88,11 +89,13 @@ class CollectiveCounter:
     def reset(self) -> None:
         """Forget what was counted so far."""
         self.by_op: Dict[str, Dict[str, float]] = {}
+        self.by_group: Dict[Any, int] = {}
 
     def snapshot(self) -> Dict[str, Any]:
         """What was counted since the last :meth:`reset`."""
         ops = {k: dict(v) for k, v in sorted(self.by_op.items())}
-        return dict(send_bytes=sum(v['send_bytes'] for v in ops.values()), by_op=ops)
+        return dict(send_bytes=sum(v['send_bytes'] for v in ops.values()), by_op=ops,
+                    by_group=dict(self.by_group))
 
     def _count(self, name: str, group: Any, args: tuple, kwargs: dict) -> None:
         index, volume = RULES[name]
@@ -101,6 +104,8 @@ class CollectiveCounter:
         entry['calls'] += 1
         entry['payload_bytes'] += payload
         entry['send_bytes'] += volume(group.size(), payload)
+        key = (name, group.group_name)
+        self.by_group[key] = self.by_group.get(key, 0) + payload
 
     def __enter__(self) -> 'CollectiveCounter':
         cls = dist.ProcessGroup

@@ -168,23 +168,27 @@ class Accumulation(enum.Enum):
     SHARDED = 'sharded'
     #: Accumulate full local gradients (``no_sync``), reduce once per step.
     UNSHARDED = 'unsharded'
+    #: Hybrid sharding (FSDP2 ``mesh``): reduce-scatter within the shard group every
+    #: micro-step, all-reduce across replicas once per step.
+    HYBRID = 'hybrid'
 
 
 def resolve_accumulation(value: Union[str, Accumulation]) -> Accumulation:
-    """``accumulation``: ``'sharded' | 'unsharded'`` (any case) or an :class:`Accumulation`."""
+    """``accumulation``: ``'sharded' | 'unsharded' | 'hybrid'`` (any case) or an Accumulation."""
     if isinstance(value, Accumulation):
         return value
     if not isinstance(value, str):
-        raise TypeError("model_wrapper_cfg.accumulation: expected 'sharded' or 'unsharded', "
-                        f'{_got(value)}')
+        raise TypeError("model_wrapper_cfg.accumulation: expected 'sharded', 'unsharded' or "
+                        f"'hybrid', {_got(value)}")
     try:
         return Accumulation(value.lower())
     except ValueError:
         raise ValueError(f'model_wrapper_cfg.accumulation: {value!r} is not valid'
                          f'{suggest(value.lower(), [m.value for m in Accumulation])}; valid '
                          "choices are 'sharded' (reduce-scatter every micro-step; gradients stay "
-                         "sharded) and 'unsharded' (no_sync: full gradients until the last "
-                         'micro-step)') from None
+                         "sharded), 'unsharded' (no_sync: full gradients until the last "
+                         "micro-step) and 'hybrid' (hybrid sharding: reduce-scatter every "
+                         'micro-step, all-reduce across replicas on the last)') from None
 
 
 # ---- modules kept in fp32 under mixed precision (FSDP1 and FSDP2) ---------------------

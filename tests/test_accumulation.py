@@ -1,10 +1,11 @@
-"""Gradient accumulation, ``accumulation='sharded' | 'unsharded'``, FSDP1 and FSDP2.
+"""Gradient accumulation, ``accumulation='sharded' | 'unsharded' | 'hybrid'``, FSDP1 and FSDP2.
 
 Every run trains 2 ranks x 2 micro-steps of 4 samples per optimizer step in one
 2-process gloo group and is compared with mmengine's stock ``Runner`` training
-the accumulated batch (16 samples) in one step in this process. The
-collectives of every micro-step are counted (``benchmarks.comm``, which wraps
-the process group's methods and calls through): they show which mode ran.
+the accumulated batch (16 samples) in one step in this process; hybrid sharding
+runs on a 2 x 2 mesh of 4 processes. The collectives of every micro-step are
+counted (``benchmarks.comm``, which wraps the process group's methods and calls
+through): they show which mode ran.
 """
 import copy
 
@@ -187,6 +188,104 @@ def test_resume_between_steps_continues_exactly(runs, wrapper):
     resumed, straight = runs[f'resumed/{wrapper}'], runs[f'{wrapper}/sharded/fp32']
     assert resumed['iter'] == MAX_ITERS
     assert max_abs_diff(resumed['state'], straight['state']) == 0
+
+
+# ---- hybrid sharding: 2 replicas x 2 shards ----------------------------------------------
+
+HYBRID_WORLD = 4
+HYBRID_SAMPLES = 64  # 16 per micro-step: an epoch is 2 optimizer steps, for 4 ranks and for one
+HYBRID_MODES = ('sharded', 'hybrid')
+
+
+def _hybrid_config(name: str, work_dir: str, mode: str, **extra) -> Config:
+    wrapper = _wrapper(FSDP2, mode, mesh=dict(replicate=2, shard=2))
+    cfg = runner_config(name, work_dir, wrapper=wrapper, batch_size=PER_RANK_BATCH,
+                        max_iters=MAX_ITERS, dataset_length=HYBRID_SAMPLES,
+                        optim_wrapper=dict(CLIP, accumulative_counts=COUNTS))
+    cfg.update(extra)
+    return Config(cfg)
+
+
+class _ReplicaProbe(Hook):
+    """Per iteration: bytes all-reduced across replicas (the mesh's ``replicate`` groups)."""
+
+    def __init__(self, counter) -> None:
+        self.counter = counter
+        self.all_reduced = []
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        self.counter.reset()
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        replicas = runner.model.mesh['replicate'].get_group().group_name
+        by_group = self.counter.snapshot()['by_group']
+        self.all_reduced.append(sum(v for (op, group), v in by_group.items()
+                                    if group == replicas and 'allreduce' in op))
+
+
+def _train_hybrid(root: str) -> dict:
+    import mmfsdp  # noqa: F401
+    from benchmarks.comm import CollectiveCounter
+    from mmfsdp import FSDPRunner
+    out = {}
+    with CollectiveCounter() as counter:
+        for mode in HYBRID_MODES:
+            cfg = _hybrid_config(f'hsdp-{mode}', f'{root}/{mode}', mode)
+            cfg.default_hooks.checkpoint = dict(type='CheckpointHook', interval=4, by_epoch=False)
+            runner = FSDPRunner.from_cfg(cfg)
+            probe = _ReplicaProbe(counter)
+            runner.register_hook(probe, priority='VERY_LOW')
+            runner.train()
+            out[mode] = dict(state=_full_state(runner.model), all_reduced=probe.all_reduced)
+        cfg = _hybrid_config('hsdp-resumed', f'{root}/resumed', 'hybrid',
+                             load_from=f'{root}/hybrid/iter_4.pth', resume=True)
+        runner = FSDPRunner.from_cfg(cfg)
+        runner.train()
+        out['resumed'] = dict(state=_full_state(runner.model), iter=runner.iter)
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.fixture(scope='module')
+def hybrid_runs(tmp_path_factory) -> dict:
+    return run_distributed(_train_hybrid, HYBRID_WORLD, str(tmp_path_factory.mktemp('hsdp')),
+                           timeout=480)[0]
+
+
+@pytest.mark.parametrize('mode', HYBRID_MODES)
+def test_hybrid_sharding_equals_one_process_with_the_accumulated_batch(hybrid_runs, mode,
+                                                                       tmp_path):
+    cfg = runner_config('ref-hsdp', str(tmp_path), launcher='none',
+                        batch_size=PER_RANK_BATCH * HYBRID_WORLD * COUNTS,
+                        max_iters=MAX_ITERS // COUNTS, dataset_length=HYBRID_SAMPLES,
+                        optim_wrapper=copy.deepcopy(CLIP))
+    runner = Runner.from_cfg(Config(cfg))
+    runner.train()
+    diff = max_abs_diff(hybrid_runs[mode]['state'], runner.model.state_dict())
+    print(f'hybrid sharding, accumulation={mode!r}: max abs diff {diff:.2e}')
+    assert diff <= TOL
+
+
+def test_hybrid_accumulation_all_reduces_across_replicas_once_per_step(hybrid_runs):
+    sharded = hybrid_runs['sharded']['all_reduced']
+    hybrid = hybrid_runs['hybrid']['all_reduced']
+    print(f'bytes all-reduced across replicas per micro-step: sharded {sharded}, '
+          f'hybrid {hybrid}')
+    assert len(sharded) == len(hybrid) == MAX_ITERS and min(sharded) > 0
+    assert hybrid[0::COUNTS] == [0] * (MAX_ITERS // COUNTS)  # micro-steps before the last
+    assert hybrid[COUNTS - 1::COUNTS] == sharded[COUNTS - 1::COUNTS]
+    assert sum(sharded) == COUNTS * sum(hybrid)
+
+
+def test_hybrid_accumulation_resumes_exactly(hybrid_runs):
+    resumed = hybrid_runs['resumed']
+    assert resumed['iter'] == MAX_ITERS
+    assert max_abs_diff(resumed['state'], hybrid_runs['hybrid']['state']) == 0
+
+
+def test_fsdp1_refuses_hybrid_accumulation_naming_fsdp2():
+    from mmfsdp.wrappers.fsdp import FSDPConfig
+    with pytest.raises(ValueError, match=r"accumulation='hybrid'.*FSDP1.*MMFullyShard"):
+        FSDPConfig.from_dict(dict(sharding_strategy='HYBRID_SHARD', accumulation='hybrid'))
 
 
 @pytest.mark.parametrize('kind', ['fsdp1', 'fsdp2'])

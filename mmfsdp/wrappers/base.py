@@ -453,12 +453,15 @@ class AccumulationNoSync:
     runs backward after leaving it, so (as with DDP) the setting is recorded
     here and the wrapper applies it at its next forward. ``'sharded'``: nothing
     (every micro-step reduce-scatters); ``'unsharded'``: full local gradients
-    until a forward outside.
+    until a forward outside; ``'hybrid'``: no all-reduce across replicas until
+    a forward outside.
     """
 
     _accumulation: Accumulation = Accumulation.SHARDED
     #: Whether the backward of the next forward reduces gradients (False inside no_sync).
     _sync_next_backward: bool = True
+    #: Whether it also all-reduces them across replicas (False inside a hybrid no_sync).
+    _all_reduce_next_backward: bool = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -466,11 +469,14 @@ class AccumulationNoSync:
         if self._accumulation is Accumulation.SHARDED:
             yield
             return
-        previous, self._sync_next_backward = self._sync_next_backward, False
+        flag = ('_all_reduce_next_backward' if self._accumulation is Accumulation.HYBRID
+                else '_sync_next_backward')
+        previous = getattr(self, flag)
+        setattr(self, flag, False)
         try:
             yield
         finally:
-            self._sync_next_backward = previous
+            setattr(self, flag, previous)
 
 
 class ModelHolder(DCPNameHook, nn.Module):

@@ -136,7 +136,7 @@ class FSDPConfig(WrapperConfig):
         sync_module_states=lambda v: None if v is None else resolve_flag(
             v, key='model_wrapper_cfg.sync_module_states'),
         init_device=resolve_init_device,
-        accumulation=resolve_accumulation,
+        accumulation=lambda value: _fsdp1_accumulation(resolve_accumulation(value)),
         fp32_modules=check_fp32_modules,
     )
 
@@ -201,6 +201,17 @@ def _planned_policy(module: nn.Module, units: Tuple[str, ...]) -> Any:
     """FSDP1's ``auto_wrap_policy`` that wraps exactly the planned units (no second walk)."""
     ids = frozenset(id(module.get_submodule(name)) for name in units)
     return lambda module, recurse, nonwrapped_numel: recurse or id(module) in ids
+
+
+def _fsdp1_accumulation(value: Accumulation) -> Accumulation:
+    """FSDP1 has no switch that reduce-scatters without the all-reduce across replicas."""
+    if value is Accumulation.HYBRID:
+        raise ValueError("model_wrapper_cfg.accumulation='hybrid': torch's FSDP1 cannot "
+                         'reduce-scatter within a node while skipping the all-reduce across '
+                         "nodes (no_sync skips both); use type='mmfsdp.MMFullyShard' with "
+                         "mesh=dict(replicate=..., shard=...), or accumulation='unsharded' / "
+                         "'sharded'")
+    return value
 
 
 def _with_classes(option: Any, classes: Tuple[type, ...]) -> Any:

@@ -143,10 +143,10 @@ class FullyShardConfig(WrapperConfig):
         return layout
 
     def _check_own_steps(self, module: nn.Module) -> None:
-        """``'unsharded'`` accumulation acts at the wrapper's forward, which such a model skips."""
-        if self.accumulation is Accumulation.UNSHARDED:
+        """``'unsharded'`` / ``'hybrid'`` act at the wrapper's forward, which such a model skips."""
+        if self.accumulation is not Accumulation.SHARDED:
             raise ValueError(
-                "model_wrapper_cfg.accumulation='unsharded': "
+                f'model_wrapper_cfg.accumulation={self.accumulation.value!r}: '
                 f'{type(module).__name__} runs its own train_step, which calls its children '
                 f"directly, past {NAME}'s forward where no_sync takes effect; use "
                 "accumulation='sharded' (the same numbers) or "
@@ -432,6 +432,7 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
         """The sharded model's forward; the coming backward reduces unless inside no_sync."""
         for root in self._roots:
             root.set_requires_gradient_sync(self._sync_next_backward)
+            root.set_requires_all_reduce(self._all_reduce_next_backward)
             if self._keep_gathered:  # the last micro-step reshards after its backward again
                 root.set_reshard_after_backward(self._sync_next_backward)
         output = self.module(*args, **kwargs)
