@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, MODELS
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
@@ -278,12 +279,11 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak(cpu_allocator)
 # stacked by the data preprocessor (mmengine's stack_batch), which is a top-level config key.
 @MODELS.register_module(force=True)
 class ConvBNClassifier(BaseModel):
-    def __init__(self, data_preprocessor=None, width=8, classes=4):
+    def __init__(self, data_preprocessor=None, width=8, classes=4, sync_bn=False):
         super().__init__(data_preprocessor=data_preprocessor)
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width),
-                                  nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width),
-                                   nn.ReLU())
+        norm = nn.SyncBatchNorm if sync_bn else nn.BatchNorm2d
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), norm(width), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), norm(width), nn.ReLU())
         self.head = nn.Linear(width, classes)
 
     def forward(self, inputs, data_samples=None, mode='tensor'):
@@ -300,6 +300,12 @@ class TinyImages(Dataset):
 
     def __getitem__(self, i):
         return dict(inputs=torch.full((3, 32, 32), i, dtype=torch.uint8), data_samples=i % 4)
+
+
+@DATASETS.register_module(force=True)
+class ImagesNotHere(Dataset):  # as mmpretrain's ImageNet without data/imagenet
+    def __init__(self, data_root='data/imagenet'):
+        raise FileNotFoundError(f"No such file or directory: '{data_root}/train'")
 
 
 PREPROCESSOR = dict(type='ImgDataPreprocessor', mean=[123.675, 116.28, 103.53],
@@ -370,3 +376,107 @@ def test_the_plan_of_a_vision_config_has_its_step_and_top_level_preprocessor(tmp
     own = dict(type='BaseDataPreprocessor')
     cfg.model['data_preprocessor'] = own  # the model's own wins, as in mmengine's Runner
     assert model_config(cfg)['data_preprocessor'] == own
+
+
+def _vision_config(tmp_path, **model):
+    config = tmp_path / 'convbn_inline.py'
+    config.write_text(
+        f"model = dict(type='ConvBNClassifier', **{model!r})\n"
+        f'data_preprocessor = {PREPROCESSOR!r}\n'
+        f'train_dataloader = {IMAGES!r}\n'
+        f'model_wrapper_cfg = {FSDP2_BF16!r}\n'
+        "optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3))\n")
+    return str(config)
+
+
+def _plan(capsys, *args):
+    from mmfsdp.plan.__main__ import main
+    capsys.readouterr()
+    main(list(args))
+    return capsys.readouterr()
+
+
+def test_the_plan_converts_syncbn_on_a_cpu_host_as_the_runner_does(tmp_path, capsys):
+    """FSDPRunner.build_model makes SyncBN BatchNorm on a CPU host; the plan of a CPU run too."""
+    from mmengine.config import Config
+
+    from mmfsdp.plan.__main__ import build_model
+    config = _vision_config(tmp_path, sync_bn=True)
+    cfg = Config.fromfile(config)
+    on_cpu, converted = build_model(cfg, 'mmengine', 'cpu')
+    assert converted == ['stem.1', 'block.1']
+    for name in converted:  # mmengine's revert_sync_batchnorm: its _BatchNormXd
+        norm = on_cpu.get_submodule(name)
+        assert isinstance(norm, _BatchNorm) and not isinstance(norm, nn.SyncBatchNorm)
+    assert all(t.is_meta for t in [*on_cpu.parameters(), *on_cpu.buffers()])
+    on_gpu, converted = build_model(cfg, 'mmengine', 'cuda')
+    assert converted == [] and isinstance(on_gpu.stem[1], nn.SyncBatchNorm)
+
+    # the batch norms are units of their own under bf16 (fp32_modules): their class shows
+    def units(device):
+        out = _plan(capsys, config, '--world-size', '2', '--format', 'json', '--device', device)
+        plan = json.loads(out.out)[0]
+        assert plan['step']['activation_bytes'] > 0
+        return {u['name']: u['cls'] for u in plan['units']}, out.err
+
+    cpu, note = units('cpu')
+    assert cpu['stem.1'] == cpu['block.1'] == '_BatchNormXd'
+    assert 'planned as BatchNorm' in note and 'stem.1, block.1' in note
+    gpu, note = units('cuda')
+    assert gpu['stem.1'] == 'SyncBatchNorm' and 'planned as BatchNorm' not in note
+
+
+def test_fit_memory_on_a_vision_config(tmp_path, capsys):
+    config = _vision_config(tmp_path)
+    rows = json.loads(_plan(capsys, config, '--world-size', '1', '2', '--fit-memory', '1GiB',
+                            '--format', 'json', '--device', 'cpu').out)
+    fsdp = [r for r in rows if r['strategy'] != 'DDP']
+    assert fsdp and all(r['model_wrapper_cfg']['mixed_precision'] == dict(param_dtype='bf16')
+                        for r in fsdp)
+    assert all(r['compute_dtype'] == 'bfloat16' for r in fsdp)
+    assert not any(r['activation_checkpointing'] for r in rows)  # no units, no layer named
+    text = _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB').out
+    assert 'activation checkpointing not tried' in text
+    # a DDP config (no units) asks for layers to checkpoint: the FSDP candidates try them
+    rows = json.loads(_plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB',
+                            '--format', 'json', '--activation-checkpointing', 'Sequential',
+                            '--cfg-options', 'model_wrapper_cfg.type='
+                            'mmfsdp.MMDistributedDataParallel').out)
+    assert {r['activation_checkpointing'] == ['Sequential'] for r in rows} == {True, False}
+    assert 'DDP' in {r['strategy'] for r in rows}
+    # fp32_modules carries over to every FSDP candidate
+    rows = json.loads(_plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB',
+                            '--format', 'json', '--cfg-options',
+                            'model_wrapper_cfg.mixed_precision.fp32_modules=[]').out)
+    assert all(r['model_wrapper_cfg']['mixed_precision']['fp32_modules'] == []
+               for r in rows if r['strategy'] != 'DDP')
+    # no dataset on this machine: one line that says so and names --input-shape
+    with pytest.raises(SystemExit, match=r'--fit-memory needs one training step traced; '
+                                         r'FileNotFoundError.*--input-shape'):
+        _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB', '--cfg-options',
+              'train_dataloader.dataset.type=ImagesNotHere')
+
+
+def test_gradients_in_flight_are_counted_in_the_reduce_dtype():
+    """bf16 compute, fp32 reduction: FSDP copies a unit's gradients into an fp32 reduce-scatter
+    input, and gloo stages that input (measured: ResNet-18's 18 MiB fp32 input and its clone)."""
+    model = _gpt()
+    plans = {reduce: plan_for(MMFullyShard, dict(
+        type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS,
+        mixed_precision=dict(param_dtype='bf16', **({'reduce_dtype': reduce} if reduce else {}))),
+        model, 2, dict(type='AdamW')) for reduce in (None, 'fp32')}
+    half, wide = plans[None], plans['fp32']
+    block = wide.largest_unit
+    assert block.gathered_bytes == block.numel * 2 and block.reduced_bytes == block.numel * 4
+    assert half.largest_unit.reduced_bytes == block.numel * 2  # reduce_dtype defaults to bf16
+    assert wide.reduced_in_flight_bytes == max(u.reduced_bytes for u in wide.units)
+    assert wide.gathered_in_flight_bytes == 2 * block.gathered_bytes + wide.reduced_in_flight_bytes
+    assert (wide.gathered_in_flight_bytes - half.gathered_in_flight_bytes
+            == wide.reduced_in_flight_bytes - half.reduced_in_flight_bytes > 0)
+    trace = _trace(bf16=True)
+    assert (step_peak(wide, trace, 2, heap_threshold=2**20).staging_bytes
+            == wide.reduced_in_flight_bytes > block.gathered_bytes)
+    # fp32 throughout: as before, gradients in flight as gathered
+    fp32 = plan_for(MMFullyShard, dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS),
+                    model, 2, dict(type='AdamW'))
+    assert all(u.reduced_bytes == u.gathered_bytes for u in fp32.units)

@@ -14,6 +14,7 @@ import importlib
 import logging
 from typing import Any, Mapping, Optional
 
+import torch
 from torch import nn
 
 from ..wrappers.base import Construction, Layout, Padding, ShardingSpec
@@ -37,13 +38,30 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
-def _spec(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-          world_size: int) -> ShardingSpec:
+def _wrapping(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> Wrapping:
     wrapping = resolve_wrapper(dict(wrapper_cfg, type=wrapper_cls))
     if not wrapping.ours:
         raise TypeError(f'{wrapper_cls.__name__} has no sharding plan; plans are available '
                         "for mmfsdp's wrappers")
+    return wrapping
+
+
+def _spec(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
+          world_size: int) -> ShardingSpec:
+    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
     return wrapping.sharding_spec(wrapping.layout(model), world_size)
+
+
+def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
+    """The dtype the wrapper reduces gradients in (``None``: the parameters' own).
+
+    FSDP1's ``MixedPrecision`` and FSDP2's ``MixedPrecisionPolicy`` both
+    reduce in ``param_dtype`` when ``reduce_dtype`` is not given.
+    """
+    precision = getattr(wrapping.config, 'mixed_precision', None)
+    if precision is None:
+        return None
+    return getattr(precision, 'reduce_dtype', None) or getattr(precision, 'param_dtype', None)
 
 
 def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
@@ -68,9 +86,11 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     and more than one micro-step, gradients are planned unsharded. Raises
     ``TypeError`` for a wrapper that is not mmfsdp's.
     """
-    return make_plan(model, _spec(wrapper_cls, wrapper_cfg, model, world_size), world_size,
-                     optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
-                     accumulative_counts=accumulative_counts)
+    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
+    return make_plan(model, wrapping.sharding_spec(wrapping.layout(model), world_size),
+                     world_size, optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
+                     accumulative_counts=accumulative_counts,
+                     reduce_dtype=reduce_dtype_of(wrapping))
 
 
 def plan_of(wrapping: Wrapping, layout: Layout, model: nn.Module, world_size: int,
@@ -80,7 +100,8 @@ def plan_of(wrapping: Wrapping, layout: Layout, model: nn.Module, world_size: in
     return make_plan(model, wrapping.sharding_spec(layout, world_size), world_size,
                      optimizer_states_per_param(
                          dict(optimizer) if isinstance(optimizer, Mapping) else {}),
-                     ema=ema, accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1))
+                     ema=ema, accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1),
+                     reduce_dtype=reduce_dtype_of(wrapping))
 
 
 def log_sharding_plan(logger: logging.Logger, plan: Plan) -> None:

@@ -21,6 +21,7 @@ from ..config import load_config
 from ..dist import current_device
 from ..ema import configures_ema
 from ..meta_init import empty_weights
+from ..runner import revert_sync_bn
 from ..wrappers.builder import resolve_wrapper_type
 from . import format_plan, plan_for, plan_to_dict, step_peak, trace_for
 from .batch import config_batch, shape_batch
@@ -86,6 +87,20 @@ def model_config(cfg: Any) -> Any:
     return model
 
 
+def build_model(cfg: Any, scope: str, device: str) -> Tuple[nn.Module, List[str]]:
+    """The config's model on the meta device, as ``FSDPRunner`` builds it to train on ``device``.
+
+    On a CPU host SyncBN becomes BatchNorm, as ``FSDPRunner.build_model``
+    converts it there (:func:`mmfsdp.runner.revert_sync_bn`): returns the model
+    and the names of the modules converted.
+    """
+    with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
+        model = MODELS.build(model_config(cfg))
+    if device != 'cpu':
+        return model, []
+    return revert_sync_bn(model)
+
+
 def _unit_classes(model: nn.Module, units: Sequence[str]) -> List[str]:
     return list(dict.fromkeys(type(model.get_submodule(u)).__name__ for u in units))
 
@@ -111,20 +126,26 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     scope = cfg.get('default_scope', 'mmengine')
     wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
     wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
-    with DefaultScope.overwrite_default_scope(scope), empty_weights(record=False):
-        model = MODELS.build(model_config(cfg))
+    device = args.device or current_device().type
+    model, converted = build_model(cfg, scope, device)
+    if converted:  # as FSDPRunner logs it
+        print(f'SyncBatchNorm needs an accelerator and {device!r} is not one: planned as '
+              f'BatchNorm, as FSDPRunner converts them there ({len(converted)} modules: '
+              f"{', '.join(converted)})", file=sys.stderr)
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
     counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
-    device = args.device or current_device().type
     allocator = args.cpu_allocator
     if device == 'cpu' and allocator == 'auto':
         allocator = launch_allocator()
     heap = heap_threshold(device, 'glibc' if allocator == 'auto' else allocator)
-    units = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
-                     ema=ema).spec.units
+    spec = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
+                    ema=ema).spec
+    # the policy's units; not the modules kept in fp32 (a BatchNorm recomputed in backward
+    # would update its running statistics twice)
+    units = [u for u in spec.units if u not in spec.fp32_units]
     checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)
-    if args.activation_checkpointing:
+    if args.activation_checkpointing and budget is None:  # --fit-memory tries FSDP too
         if checkpoint and 'DistributedDataParallel' in wrapper_cls.__name__:
             raise ValueError(f'--activation-checkpointing: {wrapper_cfg["type"]} has no '
                              'activation_checkpointing option; use an FSDP wrapper, or '
@@ -139,20 +160,24 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
         if args.input_shape:
             shape = [int(s) for s in args.input_shape.replace('x', ',').split(',')]
             batch, size = shape_batch(shape, DTYPES[args.input_dtype], args.batch_size)
-        elif budget is not None:
-            batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
         if budget is not None:
-            found = fit(model, wrapper_cfg, scope, batch, size, args.world_size,
-                        checkpoint or _unit_classes(model, units), optimizer, ema,
-                        heap_threshold=heap, accumulative_counts=counts)
-            return _fit_text(found, budget, size), _fit_json(found, budget)
+            layers = checkpoint or _unit_classes(model, units)
+            try:
+                if not args.input_shape:
+                    batch, size = config_batch(cfg.get('train_dataloader'), scope,
+                                               args.batch_size)
+                found = fit(model, wrapper_cfg, scope, batch, size, args.world_size, layers,
+                            optimizer, ema, heap_threshold=heap, accumulative_counts=counts)
+            except Exception as e:  # nothing to list without a traced step: say why, briefly
+                raise SystemExit(f'{PROG}: error: --fit-memory needs one training step traced; '
+                                 f'{_why_no_trace(e)}') from e
+            return _fit_text(found, budget, size, layers), _fit_json(found, budget)
         try:
             if not args.input_shape:
                 batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
             trace = trace_for(wrapper_cls, wrapper_cfg, model, batch, args.world_size[0])
         except Exception as e:  # the model states still hold: print them, and why no step
-            reason = f'activations not traced: {type(e).__name__}: {e} (--input-shape gives ' \
-                     'the inputs without the dataset; --no-trace skips the trace)'
+            reason = f'activations not traced: {_why_no_trace(e)}; --no-trace skips the trace'
             return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
                     [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
     steps = [step_peak(p, trace, size, heap) for p in plans]
@@ -160,12 +185,17 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     return text, [dict(plan_to_dict(p), step=s.to_dict()) for p, s in zip(plans, steps)]
 
 
+def _why_no_trace(error: Exception) -> str:
+    return (f'{type(error).__name__}: {error} (where the training dataset is not on this '
+            'machine, --input-shape gives the inputs directly, e.g. 32,3,224,224)')
+
+
 def _fit_json(found: list, budget: int) -> List[Dict[str, Any]]:
     return [dict(world_size=c.world_size, strategy=c.label, model_wrapper_cfg=c.wrapper_cfg,
                  fits=c.peak_bytes <= budget, **c.step.to_dict()) for c in found]
 
 
-def _fit_text(found: list, budget: int, batch_size: int) -> str:
+def _fit_text(found: list, budget: int, batch_size: int, layers: Sequence[str] = ()) -> str:
     fits = [c for c in found if c.peak_bytes <= budget]
     head = f'{"world size":>10}  {"strategy":<34} {"AC":<4} {"peak/rank":>10} ' \
            f'{"states":>10} {"gathered":>10} {"activations":>11} {"transient":>10}'
@@ -188,6 +218,10 @@ def _fit_text(found: list, budget: int, batch_size: int) -> str:
                      f'({low.world_size} ranks, {low.label}, activation checkpointing '
                      f'{"on" if low.checkpointing else "off"}): try more ranks or a smaller '
                      'batch (--world-size, --batch-size)')
+    if not layers:
+        lines.append(f'activation checkpointing not tried: {AC_KEY} is not set and the wrap '
+                     'policy makes no units; name the layer classes to checkpoint with '
+                     '--activation-checkpointing LAYER_CLS')
     return '\n'.join(lines)
 
 

@@ -64,9 +64,9 @@ def candidates(wrapper_cfg: Mapping[str, Any], model: nn.Module,
     if wrapper_cfg.get('auto_wrap_policy') is not None:
         common['auto_wrap_policy'] = wrapper_cfg['auto_wrap_policy']
     precision = dict(wrapper_cfg.get('mixed_precision') or {})
-    if precision:  # the dtypes both FSDP wrappers take
+    if precision:  # what both FSDP wrappers take: the dtypes, the modules kept in fp32
         common['mixed_precision'] = {k: v for k, v in precision.items()
-                                     if k in ('param_dtype', 'reduce_dtype')}
+                                     if k in ('param_dtype', 'reduce_dtype', 'fp32_modules')}
     out = []
     for label, kind, options in STRATEGIES:
         for checkpointing in (False, True):

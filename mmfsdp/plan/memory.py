@@ -8,7 +8,7 @@ prefetched); activations depend on the batch and are not included.
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,6 +42,10 @@ class Unit:
     optimizer_bytes: int
     #: Bytes of this unit's parameters when gathered for compute.
     gathered_bytes: int
+    #: Bytes of this unit's unsharded gradient as the wrapper reduces it: in the
+    #: mixed-precision ``reduce_dtype`` (FSDP copies the gradients into a buffer
+    #: of that dtype for the reduce-scatter), else as gathered.
+    reduced_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -80,6 +84,11 @@ class Plan:
         return max(self.units, key=lambda u: u.gathered_bytes)
 
     @property
+    def reduced_in_flight_bytes(self) -> int:
+        """The largest unsharded gradient being reduced (a reduce-scatter's input)."""
+        return max(max(u.reduced_bytes, u.gathered_bytes) for u in self.units)
+
+    @property
     def root(self) -> Unit:
         """The root unit: the parameters no other unit claims."""
         return next(u for u in self.units if u.name == '')
@@ -105,7 +114,7 @@ class Plan:
         Parameters: 2 x the largest unit (the one computing and the one
         prefetched), or every unit when they stay gathered from forward to
         backward. Gradients: the largest unit's unsharded gradient, which
-        lives in backward until it is reduce-scattered.
+        lives in backward until it is reduce-scattered, in the reduce dtype.
         """
         largest = self.largest_unit
         if self.spec.keep_gathered_until_backward:
@@ -114,7 +123,7 @@ class Plan:
             params = 2 * largest.gathered_bytes
         else:
             return 0
-        return params + largest.gathered_bytes
+        return params + self.reduced_in_flight_bytes
 
     @property
     def peak_bytes_per_rank_estimate(self) -> int:
@@ -150,13 +159,15 @@ def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.
 
 def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
               optimizer_states: int = 2, ema: bool = False,
-              accumulative_counts: int = 1) -> Plan:
+              accumulative_counts: int = 1,
+              reduce_dtype: Optional[torch.dtype] = None) -> Plan:
     """The memory plan of ``model`` (real or on the meta device) under ``spec``.
 
     With ``ema`` (an ``EMAHook`` is configured), each rank also holds an
     averaged copy of its parameter shards (:mod:`mmfsdp.ema`). With
     ``accumulative_counts > 1`` and ``accumulation='unsharded'``, each rank
-    holds full gradients between micro-steps.
+    holds full gradients between micro-steps. ``reduce_dtype``: the dtype
+    gradients are reduced in under mixed precision (``None``: as computed).
     """
     grads_sharded = spec.shard_grads and not (accumulative_counts > 1
                                               and spec.unsharded_accumulation)
@@ -175,11 +186,16 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
         grad_numel = _shard_numel(params, spec, grads_sharded)
         optim_numel = _shard_numel(params, spec, spec.shard_optimizer)
         module = model.get_submodule(name) if name else model
+        # Modules kept in fp32 reduce in fp32 too; the others in reduce_dtype when one is set.
+        reduce_bytes = (torch.empty((), dtype=reduce_dtype).element_size()
+                        if reduce_dtype is not None and name not in spec.fp32_units
+                        else compute_bytes)
         units.append(Unit(name=name, cls=type(module).__name__, numel=numel,
                           param_bytes=param_numel * dtype_bytes,
                           grad_bytes=grad_numel * dtype_bytes,
                           optimizer_bytes=optim_numel * dtype_bytes * optimizer_states,
-                          gathered_bytes=numel * compute_bytes))
+                          gathered_bytes=numel * compute_bytes,
+                          reduced_bytes=numel * reduce_bytes))
     names: Dict[int, List[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)

@@ -70,7 +70,8 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
         warnings=plan_warnings(plan),
         units=[dict(name=u.name or '(root)', cls=u.cls, numel=u.numel, param_bytes=u.param_bytes,
                     grad_bytes=u.grad_bytes, optimizer_bytes=u.optimizer_bytes,
-                    gathered_bytes=u.gathered_bytes) for u in plan.units])
+                    gathered_bytes=u.gathered_bytes, reduced_bytes=u.reduced_bytes)
+               for u in plan.units])
 
 
 def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> str:

@@ -48,13 +48,15 @@ class StepPeak:
 
         Measured on 4 ranks: a 48 MiB reduce-scatter input raises the resident
         set by 49.7 MiB during the call, a 48 MiB all-gather output by 47.8 MiB
-        (an all-reduce by 1.8 MiB: DDP stages nothing).
+        (an all-reduce by 1.8 MiB: DDP stages nothing). The larger of the two:
+        an all-gather output in the compute dtype, a reduce-scatter input in
+        the reduce dtype (fp32 under ``param_dtype='bf16', reduce_dtype='fp32'``).
         """
         spec = self.plan.spec
         if (self.heap_threshold is None or spec.shard_size == 1
                 or not (spec.shard_params or spec.shard_grads)):
             return 0
-        return self.plan.largest_unit.gathered_bytes
+        return max(self.plan.largest_unit.gathered_bytes, self.plan.reduced_in_flight_bytes)
 
     @property
     def transient_bytes(self) -> int:
