@@ -7,13 +7,10 @@ In one process, without a process group; the result is what
 """
 import argparse
 import os
-import tempfile
 from typing import Any, Dict, Optional, Sequence
 
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from .checkpoint.durable import save_atomically
-from .checkpoint.safe_io import load_file
+from .checkpoint.safe_io import UnsafeCheckpointError, read_all_shards
 from .checkpoint.state import is_sharded_checkpoint, read_sharded_meta
 from .ema import EMA_SHARDS_KEY, full_ema_entries
 
@@ -33,10 +30,7 @@ def consolidate(src: str, dst: str, allow_unsafe: bool = False) -> Dict[str, Any
     checkpoint = read_sharded_meta(src, allow_unsafe)
     extras = checkpoint.pop('optimizer_extras', None)
     param_groups = checkpoint.pop('optimizer_param_groups', None)
-    with tempfile.TemporaryDirectory() as tmp:
-        merged = os.path.join(tmp, 'merged.pth')
-        dcp_to_torch_save(src, merged)
-        shards = load_file(merged)
+    shards = read_all_shards(src, allow_unsafe)
     checkpoint['state_dict'] = shards['model']
     if EMA_SHARDS_KEY in shards:  # EMAHook's convention, see mmfsdp.ema
         ema = shards[EMA_SHARDS_KEY]
@@ -65,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         consolidate(args.src, args.dst)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
         parser.exit(1, f'{parser.prog}: error: {e}\n')
     print(f'wrote {args.dst}')
 

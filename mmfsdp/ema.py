@@ -11,7 +11,6 @@ import copy
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 from mmengine.dist import get_world_size, is_main_process
 from mmengine.hooks import EMAHook as MMEngineEMAHook
 from mmengine.model import is_model_wrapper
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from .checkpoint.safe_io import UNSAFE_SWITCH, SafeFileSystemReader, load_shards
 from .checkpoint.state import gather_full_state, load_full_model_state, sharded_state
 from .compat import fsdp1_reshard_if_gathered, resume_requested
 from .names import unwrapped_named_buffers, unwrapped_named_parameters
@@ -145,8 +145,8 @@ def _clone_shards(tree: Dict[str, Any]) -> Dict[str, Any]:
         torch.Tensor, nn.Parameter) else v for k, v in tree.items()}
 
 
-def _has_ema_shards(path: str) -> bool:
-    metadata = dcp.FileSystemReader(path).read_metadata()
+def _has_ema_shards(path: str, allow_unsafe: bool) -> bool:
+    metadata = SafeFileSystemReader(path, allow_unsafe).read_metadata()
     return any(key.startswith(f'{EMA_SHARDS_KEY}.') for key in metadata.state_dict_metadata)
 
 
@@ -323,7 +323,7 @@ class EMAHook(MMEngineEMAHook):
     def after_load_checkpoint_shards(self, runner: Any, path: str,
                                      checkpoint: Dict[str, Any]) -> None:
         """Resume the averaged shards of a directory; ``load_from``: load them as the weights."""
-        if not _has_ema_shards(path):
+        if not _has_ema_shards(path, _allows_unsafe(runner)):
             self._restart_from_model(runner)
             return
         if not resume_requested(runner):
@@ -339,7 +339,7 @@ class EMAHook(MMEngineEMAHook):
         template = sharded_state(runner.model, None)[0]['model']
         target = {EMA_SHARDS_KEY: dict(state_dict=template,
                                        steps=torch.zeros((), dtype=torch.long))}
-        dcp.load(target, checkpoint_id=path)
+        load_shards(target, path, _allows_unsafe(runner))
         set_model_state_dict(runner.model, target[EMA_SHARDS_KEY]['state_dict'],
                              options=StateDictOptions(full_state_dict=False,
                                                       strict=self.strict_load))
@@ -350,6 +350,10 @@ class EMAHook(MMEngineEMAHook):
         self._model = None
         if hasattr(self, 'ema_model'):  # before_run has built it (not so for a bare load)
             self.ema_model.steps.zero_()
+
+
+def _allows_unsafe(runner: Any) -> bool:
+    return bool(runner.cfg.get(UNSAFE_SWITCH, False))
 
 
 def configures_ema(custom_hooks: Optional[Sequence[Any]]) -> bool:

@@ -419,3 +419,69 @@ def test_fsdp1_no_sync_toggles_the_flag_its_backward_reads():
         'FSDP1.no_sync no longer sets _sync_gradients (compat.set_fsdp1_gradient_sync)'
     assert '_sync_gradients' in inspect.getsource(_runtime_utils), \
         "FSDP1's backward no longer reads _sync_gradients (compat.set_fsdp1_gradient_sync)"
+
+
+def _dcp_checkpoint(path) -> str:
+    """A DCP checkpoint torch writes: tensors of several dtypes and layouts, pickled entries."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    state = dict(model={'w': torch.ones(2, 3).t(), 'half': torch.zeros(2, dtype=torch.bfloat16),
+                        'mask': torch.ones(2, dtype=torch.bool), 'step': torch.tensor(3)},
+                 extra={'count': 3, 'names': ['a', 'b']})
+    with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
+        warnings.simplefilter('ignore')
+        dcp.save(state, checkpoint_id=str(path))
+    return str(path)
+
+
+def test_dcp_reader_reads_metadata_from_the_file_its_writer_writes(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    reader = FileSystemReader(_dcp_checkpoint(tmp_path / 'ckpt'))
+    path = compat.dcp_metadata_path(reader)
+    assert str(path) == str(tmp_path / 'ckpt' / '.metadata') and path.exists(), \
+        "DCP's FileSystemReader._get_metadata_path moved (compat.dcp_metadata_path)"
+    assert str(compat.dcp_metadata_path(reader, 1)) == str(tmp_path / 'ckpt' / '__1.metadata')
+
+
+def test_safe_dcp_reader_returns_what_torchs_reader_returns(tmp_path):
+    """``SafeFileSystemReader.read_metadata`` re-implements torch's (with another unpickler)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mmfsdp.checkpoint.safe_io import SafeFileSystemReader
+    reader = SafeFileSystemReader(_dcp_checkpoint(tmp_path / 'ckpt'))
+    assert reader.read_metadata() == FileSystemReader.read_metadata(reader), \
+        "FileSystemReader.read_metadata changed what it returns (mmfsdp/checkpoint/safe_io.py)"
+
+
+def test_dcp_metadata_names_only_globals_the_safe_reader_allows(tmp_path):
+    import pickle
+
+    from mmfsdp.checkpoint.safe_io import METADATA_GLOBALS
+    named = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    path = _dcp_checkpoint(tmp_path / 'ckpt')
+    with open(f'{path}/.metadata', 'rb') as f:
+        Recorder(f).load()
+    assert named <= set(METADATA_GLOBALS), (
+        f'DCP metadata now names {sorted(named - set(METADATA_GLOBALS))}: add them to the '
+        'allow-list in mmfsdp/checkpoint/safe_io.py (and compat.dcp_metadata_private_globals)')
+    private = {(g.__module__, g.__qualname__) for g in compat.dcp_metadata_private_globals()}
+    assert private <= named, f'DCP metadata no longer names {sorted(private - named)}'
+
+
+def test_load_whole_dcp_reads_what_dcp_to_torch_save_writes(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = _dcp_checkpoint(tmp_path / 'ckpt')
+    dcp_to_torch_save(path, tmp_path / 'full.pth')
+    expected = torch.load(tmp_path / 'full.pth')
+    got = compat.load_whole_dcp(FileSystemReader(path))
+    assert got.keys() == expected.keys() and got['extra'] == expected['extra']
+    assert all(torch.equal(got['model'][k], v) for k, v in expected['model'].items()), \
+        'compat.load_whole_dcp no longer reads what dcp_to_torch_save writes'

@@ -14,7 +14,8 @@ import zipfile
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+
+from .safe_io import SafeFileSystemReader, UnsafeCheckpointError
 
 __all__ = ['find_complete_checkpoint', 'new_token', 'remove_path', 'remove_stale_temporaries',
            'replace_path', 'save_atomically', 'temporary_path', 'write_text_atomically']
@@ -128,14 +129,19 @@ def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]
     return removed
 
 
-def _incomplete_reason(path: str, meta_file: str) -> Optional[str]:
-    """Why the file or sharded directory ``path`` is incomplete (read from metadata), or None."""
+def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) -> Optional[str]:
+    """Why the file or sharded directory ``path`` is incomplete (read from metadata), or None.
+
+    A ``.metadata`` that safe reading refuses raises :class:`UnsafeCheckpointError`.
+    """
     if not os.path.isdir(path):
         return 'it does not exist' if not os.path.isfile(path) else _zip_reason(path)
     if not os.path.isfile(os.path.join(path, meta_file)):
         return f'its {meta_file} is missing'
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = SafeFileSystemReader(path, allow_unsafe).read_metadata()
+    except UnsafeCheckpointError:
+        raise  # not incomplete: the user must hear why, and may opt in
     except Exception as e:  # noqa: BLE001 - any unreadable metadata makes it incomplete
         return f'its .metadata cannot be read ({type(e).__name__}: {e})'
     needed: Dict[str, int] = {}
@@ -161,14 +167,15 @@ def _zip_reason(path: str) -> Optional[str]:
     return None
 
 
-def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], None]) -> str:
+def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], None],
+                             allow_unsafe: bool = False) -> str:
     """``path`` if complete, else the newest complete earlier checkpoint beside it (a warning).
 
     Earlier means the same name with a smaller number (``iter_6.pth`` ->
     ``iter_4.pth``). Raises ``FileNotFoundError`` naming ``path`` and its
     defect when there is none.
     """
-    reason = _incomplete_reason(path, meta_file)
+    reason = _incomplete_reason(path, meta_file, allow_unsafe)
     if reason is None:
         return path
     directory, name = os.path.split(path)
@@ -182,7 +189,7 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
                             reverse=True)
     for _, candidate in candidates:
         earlier = os.path.join(directory, candidate)
-        if _incomplete_reason(earlier, meta_file) is None:
+        if _incomplete_reason(earlier, meta_file, allow_unsafe) is None:
             warn(f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}); '
                  f'resuming from {earlier}, the newest complete one before it')
             return earlier

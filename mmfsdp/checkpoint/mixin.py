@@ -167,10 +167,11 @@ class CheckpointMixin:
             tokens = (checkpoint.get('meta') or {}).get(TOKENS_KEY) or []
             self._resumed_tokens = [t for t in tokens if isinstance(t, str)]
         if sharded:
-            match = match_keys(own, checkpoint_model_shapes(filename), revise_keys)
+            match = match_keys(own, checkpoint_model_shapes(filename, allow_unsafe), revise_keys)
             self._check_match(match, filename, strict, sharded=True)
             # model and optimizer in one pass
-            load_sharded(filename, self.model, optim_wrapper, match=match, meta=checkpoint)
+            load_sharded(filename, self.model, optim_wrapper, match=match, meta=checkpoint,
+                         allow_unsafe=allow_unsafe)
             self.call_hook('after_load_checkpoint_shards', path=filename, checkpoint=checkpoint)
         else:
             state = checkpoint.get('state_dict', checkpoint)
@@ -259,7 +260,8 @@ class CheckpointMixin:
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""
         with fail_together('choosing the checkpoint to resume from'):
-            chosen = (find_complete_checkpoint(filename, META_FILE, self.logger.warning)
+            chosen = (find_complete_checkpoint(filename, META_FILE, self.logger.warning,
+                                               bool(self.cfg.get(UNSAFE_SWITCH, False)))
                       if is_main_process() else None)
         return _from_rank0(chosen)
 

@@ -1,26 +1,34 @@
 """Safe reading: ``weights_only`` loading from any location, and values it accepts.
 
-Files are read with ``torch.load(weights_only=True)``; what needs more loads
-only with ``allow_unsafe_checkpoints = True`` (:data:`UNSAFE_SWITCH`), with a
-warning. :func:`encode` stores numpy values and the message hub's log scalars
-as plain values, so mmfsdp's own files need no switch and stock readers get
-the stock values; :func:`decode` restores them exactly. See
-``docs/checkpoints.md``.
+Files are read with ``torch.load(weights_only=True)``, a sharded directory's
+``.metadata`` with an unpickler that knows only the classes DCP writes there
+(:class:`SafeFileSystemReader`); what needs more loads only with
+``allow_unsafe_checkpoints = True`` (:data:`UNSAFE_SWITCH`), with a warning.
+:func:`encode` stores numpy values and the message hub's log scalars as plain
+values, so mmfsdp's own files need no switch and stock readers get the stock
+values; :func:`decode` restores them exactly. See ``docs/checkpoints.md``.
 """
 import contextlib
+import io
 import os
+import pathlib
 import pickle
 import types
 import warnings
-from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Tuple, Union
+from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from mmengine.logging import HistoryBuffer
 from mmengine.runner import CheckpointLoader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
-__all__ = ['ENCODING_KEY', 'UNSAFE_SWITCH', 'UnsafeCheckpointError', 'decode', 'encode',
-           'load_file', 'read_checkpoint', 'unsafe_values', 'without_code']
+from ..compat import dcp_metadata_path, dcp_metadata_private_globals, load_whole_dcp
+
+__all__ = ['ENCODING_KEY', 'METADATA_GLOBALS', 'UNSAFE_SWITCH', 'SafeFileSystemReader',
+           'UnsafeCheckpointError', 'decode', 'encode', 'load_file', 'load_shards',
+           'read_all_shards', 'read_checkpoint', 'unsafe_values', 'without_code']
 
 #: The top-level config key that allows loading checkpoints that need arbitrary globals.
 UNSAFE_SWITCH = 'allow_unsafe_checkpoints'
@@ -58,17 +66,34 @@ def load_file(file: Union[str, IO[bytes]], allow_unsafe: bool = False) -> Any:
                                mmap=isinstance(file, str))
         except pickle.UnpicklingError as e:
             if not allow_unsafe:
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise UnsafeCheckpointError(
-                    f'{name} needs globals that safe loading (weights_only=True) rejects: '
-                    f'{reason} Nothing from the file was executed. If you trust this file, set '
-                    f'`{UNSAFE_SWITCH} = True` in the config to load it with weights_only=False.'
-                ) from None
+                raise _refusal(name, 'safe loading (weights_only=True)', _rejected(e),
+                               'to load it with weights_only=False') from None
     warnings.warn(f'Loading {name} with weights_only=False ({UNSAFE_SWITCH}=True): '
                   'unpickling can execute arbitrary code', stacklevel=2)
     if not isinstance(file, str):
         file.seek(0)
     return _torch_load(file, map_location='cpu', weights_only=False)
+
+
+def _refusal(name: str, reader: str, reason: str, fallback: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f'{name} needs globals that {reader} rejects: {reason} Nothing from the file was '
+        f'executed. If you trust this file, set `{UNSAFE_SWITCH} = True` in the config {fallback}.')
+
+
+def _rejected(error: Exception) -> str:
+    """The part of torch's ``weights_only`` error that names what it rejected.
+
+    Its last line is general advice ("Check the documentation ..."); the
+    ``WeightsUnpickler error:`` line names the global (``Unsupported global:
+    GLOBAL mymodule.Evil ...``), without torch's ``add_safe_globals`` advice.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    marker = 'WeightsUnpickler error:'
+    for line in lines:
+        if marker in line:
+            return line.split(marker, 1)[1].split(' Please use ', 1)[0].strip()
+    return lines[-1] if lines else type(error).__name__
 
 
 def _is_legacy_format(file: Union[str, IO[bytes]]) -> bool:
@@ -118,6 +143,139 @@ def _torch_load_replaced_by(load: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         torch.load = original
+
+
+# ---- sharded directories: DCP's metadata and pickled entries ------------------------------
+
+
+def _metadata_globals() -> Dict[Tuple[str, str], Any]:
+    # What torch 2.13's FileSystemWriter pickles into .metadata (recorded from the globals its
+    # unpickling looks up, for DCP saves of FSDP1, FSDP2, DDP, EMA and non-tensor entries).
+    m = dcp_metadata
+    objects = (m.Metadata, m.StorageMeta, m.MetadataIndex, m.TensorStorageMetadata,
+               m.BytesStorageMetadata, m.ChunkStorageMetadata, m.TensorProperties, torch.Size,
+               pathlib.PosixPath,  # StorageMeta.checkpoint_id
+               *dcp_metadata_private_globals())
+    allowed = {(o.__module__, o.__qualname__): o for o in objects}
+    allowed[('pathlib', 'PosixPath')] = pathlib.PosixPath  # its name before Python 3.13
+    # a dtype pickles as its name in torch ('torch', 'float32')
+    allowed.update({('torch', d.__reduce__()): d for d in vars(torch).values()
+                    if isinstance(d, torch.dtype)})
+    return allowed
+
+
+#: ``(module, name)`` of every global a DCP ``.metadata`` may name; anything else is refused.
+METADATA_GLOBALS: Mapping[Tuple[str, str], Any] = types.MappingProxyType(_metadata_globals())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle``'s unpickler that resolves only :data:`METADATA_GLOBALS`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = METADATA_GLOBALS.get((module, name))
+        if found is None:
+            raise _Rejected(f'Unsupported global: {module}.{name} is not a class of DCP '
+                            'checkpoint metadata.')
+        return found
+
+
+class _Rejected(pickle.UnpicklingError):
+    pass
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` that executes nothing from the checkpoint directory.
+
+    ``.metadata`` is unpickled with only :data:`METADATA_GLOBALS`; entries DCP
+    stores pickled (non-tensor values) are read with ``weights_only=True``;
+    shards are tensors, which torch reads with ``weights_only=True`` anyway.
+    What these refuse raises :class:`UnsafeCheckpointError`, or, with
+    ``allow_unsafe``, is read as torch's own reader does, with a warning.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], allow_unsafe: bool = False) -> None:
+        super().__init__(path)
+        self.allow_unsafe = allow_unsafe
+        #: The refusal raised last: DCP wraps errors (CheckpointException), it is raised again.
+        self.refused: Optional[UnsafeCheckpointError] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        """As ``FileSystemReader.read_metadata`` (a ``rank`` keyword reads the rank-local file)."""
+        path = dcp_metadata_path(self, kwargs.get('rank'))
+        with open(path, 'rb') as f:
+            data = f.read()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except _Rejected as e:
+            self._refuse(str(path), 'the DCP metadata reader', str(e), 'to read it with pickle')
+            metadata = pickle.loads(data)  # noqa: S301 - allow_unsafe: the user trusts it
+        if getattr(metadata, 'storage_meta', None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as torch's reader
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """As ``FileSystemReader.read_data``; pickled entries are read with ``weights_only``."""
+        return super().read_data(plan, _WeightsOnlyEntries(planner, self))
+
+    def _refuse(self, name: str, reader: str, reason: str, fallback: str) -> None:
+        """Raise the refusal, or with ``allow_unsafe`` warn and return."""
+        if not self.allow_unsafe:
+            self.refused = _refusal(name, reader, reason, fallback)
+            raise self.refused from None
+        warnings.warn(f'Reading {name} with the full unpickler ({UNSAFE_SWITCH}=True): '
+                      'unpickling can execute arbitrary code', stacklevel=3)
+
+
+class _WeightsOnlyEntries:
+    """A DCP load planner whose pickled entries are read with ``weights_only=True`` first."""
+
+    def __init__(self, planner: Any, reader: SafeFileSystemReader) -> None:
+        self._planner, self._reader = planner, reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            entry = _torch_load(value, map_location='cpu', weights_only=True)
+        except pickle.UnpicklingError as e:
+            self._reader._refuse(f'{self._reader.path} (entry {read_item.dest_index.fqn!r})',
+                                 'safe loading (weights_only=True)', _rejected(e),
+                                 'to load it with weights_only=False')
+            value.seek(0)
+            return self._planner.load_bytes(read_item, value)
+        # torch's planner unpickles with weights_only=False: hand it a pickle of the safe value
+        plain = io.BytesIO()
+        torch.save(entry, plain)
+        plain.seek(0)
+        return self._planner.load_bytes(read_item, plain)
+
+
+@contextlib.contextmanager
+def _refusal_raised(reader: SafeFileSystemReader) -> Iterator[None]:
+    """Raise the reader's refusal itself, not DCP's ``CheckpointException`` around it."""
+    try:
+        yield
+    except (Exception, dcp.CheckpointException):  # DCP raises the latter, a BaseException
+        if reader.refused is not None:
+            raise reader.refused from None
+        raise
+
+
+def load_shards(state_dict: Dict[str, Any], path: str, allow_unsafe: bool = False) -> None:
+    """``dcp.load(state_dict)`` from the directory ``path`` via :class:`SafeFileSystemReader`."""
+    reader = SafeFileSystemReader(path, allow_unsafe)
+    with _refusal_raised(reader):
+        dcp.load(state_dict, storage_reader=reader)
+
+
+def read_all_shards(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
+    """Every entry of the DCP checkpoint ``path``, nested as saved, read in this process."""
+    reader = SafeFileSystemReader(path, allow_unsafe)
+    reader.read_metadata()  # a refusal here is raised as is, before DCP logs and wraps it
+    with _refusal_raised(reader):
+        return load_whole_dcp(reader)
 
 
 # What a recorded path held: a numpy array, a numpy scalar, a HistoryBuffer.

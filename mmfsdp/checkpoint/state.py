@@ -44,7 +44,7 @@ from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from ..together import control_group, fail_together
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
-from .safe_io import load_file
+from .safe_io import SafeFileSystemReader, load_file, load_shards
 
 __all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
            'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
@@ -422,15 +422,17 @@ def check_shared_directory(directory: str, token: str = '') -> None:
     _SHARED_DIRECTORIES.add(directory)
 
 
-def checkpoint_model_shapes(path: str) -> Dict[str, Optional[torch.Size]]:
+def checkpoint_model_shapes(path: str, allow_unsafe: bool = False
+                            ) -> Dict[str, Optional[torch.Size]]:
     """The model keys and full shapes stored in a sharded checkpoint (reads only ``.metadata``)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata
     return {key[len(_MODEL):]: getattr(entry, 'size', None)
             for key, entry in metadata.items() if key.startswith(_MODEL)}
 
 
 def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper] = None,
-                 match: Optional[KeyMatch] = None, meta: Optional[Dict[str, Any]] = None) -> None:
+                 match: Optional[KeyMatch] = None, meta: Optional[Dict[str, Any]] = None,
+                 allow_unsafe: bool = False) -> None:
     """Load the model (and the optimizer) from a sharded checkpoint, at any world size.
 
     ``match`` says which checkpoint entry goes into which model key (default:
@@ -443,7 +445,8 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     template: Dict[str, Any] = dict(model={saved: own[key] for key, saved in match.loaded.items()})
     wrappers = dict(named_optim_wrappers(optim_wrapper)) if optim_wrapper is not None else {}
     # An optimizer that had no state when saved has no shards.
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata if wrappers else {}
+    keys = (SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata
+            if wrappers else {})
     with_shards = [name for name in wrappers
                    if any(k.startswith(_OPTIMIZER if name is None else f'{_OPTIMIZER}{name}.')
                           for k in keys)]
@@ -453,12 +456,12 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     if with_shards:
         template['optimizer'] = templates[None] if with_shards == [None] else templates
     with _single_process_is_intended():
-        dcp.load(template, checkpoint_id=path)
+        load_shards(template, path, allow_unsafe)
     loaded = {key: template['model'][saved] for key, saved in match.loaded.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if optim_wrapper is None:
         return
-    meta = meta if meta is not None else read_sharded_meta(path)
+    meta = meta if meta is not None else read_sharded_meta(path, allow_unsafe)
     groups, extras = meta['optimizer_param_groups'], meta.get('optimizer_extras') or {}
     for name, wrapper in wrappers.items():
         own_groups = _select(groups, name)

@@ -200,3 +200,35 @@ def gloo_worker_threads() -> List[int]:
         except OSError:  # the thread ended meanwhile
             continue
     return found
+
+
+# ---- DCP's file-system reader: mmfsdp reads ``.metadata`` with an allow-listed unpickler ----
+
+__all__ += ['dcp_metadata_path', 'dcp_metadata_private_globals', 'load_whole_dcp']
+
+
+def dcp_metadata_path(reader: Any, rank: Optional[int] = None) -> Any:
+    """The ``.metadata`` file a DCP ``FileSystemReader`` reads (with ``rank``: the rank's own)."""
+    # why: FileSystemReader names its metadata file (``_metadata_fn``) only in this private method
+    return reader._get_metadata_path(rank)
+
+
+def dcp_metadata_private_globals() -> Tuple[Any, ...]:
+    """The private torch names that DCP's ``FileSystemWriter`` pickles into every ``.metadata``."""
+    # why: the metadata unpickler's allow-list must name them; torch has them only privately
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # storage_data's values
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING  # TensorProperties
+    from torch.serialization import _get_layout  # how a torch.layout (torch.strided) is pickled
+    return _StorageInfo, _MEM_FORMAT_ENCODING, _get_layout
+
+
+def load_whole_dcp(reader: Any) -> Dict[str, Any]:
+    """Every entry of a DCP checkpoint, nested as saved, read in this process through ``reader``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # why: what dcp_to_torch_save does, which builds its own FileSystemReader (plain pickle)
+    state: Dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
