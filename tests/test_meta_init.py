@@ -63,11 +63,14 @@ class MetaZoo(BaseModel):
 
     ``init='deterministic'`` writes every randomly initialised weight with a
     constant in ``init_weights`` (so meta init must equal eager exactly);
-    ``unset=True`` adds a parameter that only a checkpoint can provide.
+    ``unset=True`` adds a parameter that only a checkpoint can provide. A
+    ``data_preprocessor`` without ``type`` gets one, as mmpretrain's classifiers do.
     """
 
     def __init__(self, depth: int = 2, init: str = 'deterministic', unset: bool = False,
                  data_preprocessor=None, init_cfg=None) -> None:
+        if isinstance(data_preprocessor, dict):
+            data_preprocessor = {'type': 'ImgDataPreprocessor', **data_preprocessor}
         super().__init__(data_preprocessor=data_preprocessor, init_cfg=init_cfg)
         # the OpenMMLab idiom: fails under a global torch.device('meta')
         self.rates = [r.item() for r in torch.linspace(0, 0.1, depth)]
@@ -334,6 +337,14 @@ def test_empty_weights_puts_only_parameters_and_buffers_on_meta():
     assert recorded(big)['table'].missing == 'too large'
     assert recorded(late)['pe'].missing == 'written after registration'
     assert not torch.empty(1).is_meta  # patches undone
+
+
+def test_a_preprocessor_the_model_builds_itself_keeps_its_values_under_meta_init():
+    from mmfsdp.meta_init import build_on_meta
+    model = build_on_meta(MODELS.build, dict(type='MetaZoo', data_preprocessor=dict(
+        mean=[1.0, 2.0, 3.0], std=[2.0, 2.0, 2.0])))  # no type: the model defaults it
+    assert model.cls_token.is_meta
+    assert model.data_preprocessor.mean.flatten().tolist() == [1.0, 2.0, 3.0]
 
 
 def test_preprocessor_follows_the_training_device():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
-from mmengine.registry import MODELS
+from mmengine.model import BaseDataPreprocessor
 from torch import nn
 
 from ..compat import (
@@ -145,9 +145,18 @@ def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
     return meta
 
 
+#: Modules whose parameters and buffers :func:`empty_weights` leaves real.
+KEPT_REAL = (BaseDataPreprocessor, )
+
+
 @contextlib.contextmanager
 def empty_weights(record: bool = True) -> Iterator[None]:
     """Inside, registered parameters and buffers go to the meta device.
+
+    Those of a data preprocessor (:data:`KEPT_REAL`) stay real: it is small,
+    its buffers (``mean`` / ``std``) are what its constructor computes, and the
+    model may build it itself from a config without ``type`` (mmpretrain's
+    classifiers default it). It moves to the training device with the model.
 
     With ``record``, their constructor values are kept; the plan's dry run needs
     shapes only and passes ``False``.
@@ -167,14 +176,14 @@ def empty_weights(record: bool = True) -> Iterator[None]:
     def to_meta_parameter(module: nn.Module, name: str,
                           param: Optional[nn.Parameter]) -> None:
         register_parameter(module, name, param)
-        if (param is not None and not param.is_meta
+        if (param is not None and not param.is_meta and not isinstance(module, KEPT_REAL)
                 and not isinstance(param, nn.parameter.UninitializedParameter)):
             to_meta(module, name, param, _meta_parameter)
 
     def to_meta_buffer(module: nn.Module, name: str, tensor: Optional[torch.Tensor],
                        persistent: bool = True) -> None:
         register_buffer(module, name, tensor, persistent)
-        if (tensor is not None and not tensor.is_meta
+        if (tensor is not None and not tensor.is_meta and not isinstance(module, KEPT_REAL)
                 and not isinstance(tensor, nn.parameter.UninitializedBuffer)):
             to_meta(module, name, tensor, lambda t: t.detach().to('meta'))
 
@@ -190,17 +199,9 @@ def empty_weights(record: bool = True) -> Iterator[None]:
 
 def build_on_meta(build: Callable[[Any], nn.Module],
                   model: Union[nn.Module, Mapping]) -> nn.Module:
-    """``build(model)`` under :func:`empty_weights`, its data preprocessor built for real.
-
-    The preprocessor is small and its buffers (``mean`` / ``std``) are what its
-    constructor computes; it moves to the training device with the model.
-    """
+    """``build(model)`` under :func:`empty_weights` (the data preprocessor stays real)."""
     if isinstance(model, nn.Module):
         raise TypeError("model_wrapper_cfg.init_device: 'meta' needs the model as a config "
                         'dict; a model passed as an nn.Module is already built')
-    model = dict(model)
-    preprocessor = model.get('data_preprocessor')
-    if isinstance(preprocessor, Mapping):
-        model['data_preprocessor'] = MODELS.build(preprocessor)
     with empty_weights():
         return build(model)
