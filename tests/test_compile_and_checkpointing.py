@@ -195,6 +195,27 @@ def test_a_lower_memory_budget_keeps_fewer_activations():
     assert saved[0.0] < 0.8 * saved[1.0]  # the layers outside the blocks keep theirs
 
 
+def test_the_plan_predicts_what_each_checkpointing_mode_keeps():
+    from mmfsdp import MMFullyShard
+    from mmfsdp.plan import trace_for
+
+    def batch(model):
+        return (torch.randn(32, IN_DIM), torch.zeros(32, dtype=torch.long)), dict(mode='loss')
+
+    def activations(**options) -> int:
+        return trace_for(MMFullyShard, dict(WRAPPERS['fsdp2'], **options),
+                         ToyClassifier(dim=64, depth=4), batch).activation_bytes
+
+    none = activations()
+    full = activations(activation_checkpointing=dict(layer_cls=BLOCK))
+    selective = activations(activation_checkpointing=dict(layer_cls=BLOCK, mode='selective'))
+    budget = activations(regional_compile=dict(layer_cls=BLOCK), activation_checkpointing=dict(
+        mode='memory_budget', memory_budget=0.5))
+    print(f'planned activations: none {none}, selective {selective}, full {full}, '
+          f'memory_budget=0.5 {budget}')
+    assert full < selective < none and full < budget < none
+
+
 @pytest.mark.parametrize('options,fragments', [
     (dict(activation_checkpointing=dict(layer_cls=BLOCK, mode='selectiv')),
      ['activation_checkpointing.mode', "'selectiv'", "did you mean 'selective'"]),

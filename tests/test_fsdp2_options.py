@@ -276,6 +276,20 @@ def test_sharding_spec_describes_the_mesh_and_the_merged_units(monkeypatch):
     assert spec.shard_size == 2 and spec.units == () and spec.keep_gathered_until_backward
 
 
+def test_the_plan_keeps_a_group_share_of_each_unit_with_an_int_reshard_after_forward():
+    from mmfsdp.plan import plan_for
+    model = _gpt()
+
+    def gathered(reshard) -> int:
+        cfg = dict(auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock']),
+                   reshard_after_forward=reshard)
+        return plan_for(MMFullyShard, cfg, model, 4).gathered_in_flight_bytes
+
+    resharded, in_pairs, kept = gathered(True), gathered(2), gathered(False)
+    print(f'gathered in flight: True {resharded}, 2 {in_pairs}, False {kept}')
+    assert resharded < in_pairs < kept
+
+
 def test_pinned_offload_on_a_cpu_only_machine_says_what_to_do():
     if torch.accelerator.current_accelerator() is not None:
         pytest.skip('this process trains on an accelerator')

@@ -10,6 +10,8 @@
 - :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
+import dataclasses
+import functools
 import importlib
 import logging
 from typing import Any, Mapping, Optional
@@ -46,12 +48,6 @@ def _wrapping(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> Wrapping:
     return wrapping
 
 
-def _spec(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-          world_size: int) -> ShardingSpec:
-    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
-    return wrapping.sharding_spec(wrapping.layout(model), world_size)
-
-
 def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
     """The dtype the wrapper reduces gradients in (``None``: the parameters' own).
 
@@ -68,13 +64,34 @@ def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Modul
               batch: Any, world_size: int = 1) -> Any:
     """Trace one training step of ``model`` as the wrapper config computes it.
 
-    Honours ``activation_checkpointing`` and the mixed-precision ``param_dtype``,
-    and attributes activations to the wrap policy's units.
+    Honours ``activation_checkpointing`` (each mode) and the mixed-precision
+    ``param_dtype``, and attributes activations to the wrap policy's units.
+    ``mode='memory_budget'`` is not traced (the compiler's partitioner decides
+    what it keeps): torch defines the budget as the fraction of the activations
+    between recomputing the compiled layers entirely (0) and keeping all they
+    save (1), and the plan interpolates between those two traces.
     """
     from .trace import trace_step
-    spec = _spec(wrapper_cls, wrapper_cfg, model, world_size)
-    return trace_step(model, batch, units=spec.units, checkpoint_layers=spec.checkpoint_layers,
-                      compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units)
+    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
+    layout = wrapping.layout(model)
+    spec = wrapping.sharding_spec(layout, world_size)
+    trace = functools.partial(trace_step, model, batch, units=spec.units,
+                              compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units)
+    checkpointing = layout.checkpointing
+    if checkpointing is None or checkpointing.wraps_layers:
+        return trace(checkpoint_layers=spec.checkpoint_layers, checkpointing=checkpointing)
+    kept, recomputed = trace(), trace(checkpoint_layers=layout.compile_layers)
+    budget = checkpointing.memory_budget
+
+    def between(low: int, high: int) -> int:
+        return round(low + budget * (high - low))
+
+    return dataclasses.replace(
+        recomputed, activation_bytes=between(recomputed.activation_bytes, kept.activation_bytes),
+        peak_bytes=between(recomputed.peak_bytes, kept.peak_bytes),
+        by_unit={unit: between(recomputed.by_unit.get(unit, 0), kept.by_unit.get(unit, 0))
+                 for unit in set(kept.by_unit) | set(recomputed.by_unit)},
+        checkpointed=(f'memory_budget={budget:g}', ))
 
 
 def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,

@@ -113,12 +113,19 @@ class Plan:
 
         Parameters: 2 x the largest unit (the one computing and the one
         prefetched), or every unit when they stay gathered from forward to
-        backward. Gradients: the largest unit's unsharded gradient, which
-        lives in backward until it is reduce-scattered, in the reduce dtype.
+        backward; with ``reshard_after_forward=<int>`` the two gathered ones and
+        the others' share of a group of that many ranks. Gradients: the
+        largest unit's unsharded gradient, which lives in backward until it is
+        reduce-scattered, in the reduce dtype.
         """
         largest = self.largest_unit
-        if self.spec.keep_gathered_until_backward:
-            params = sum(u.gathered_bytes for u in self.units)
+        kept = self.spec.kept_shard_size
+        every = sum(u.gathered_bytes for u in self.units)
+        if self.spec.keep_gathered_until_backward and kept > 1:
+            others = max(0, every - 2 * largest.gathered_bytes)
+            params = min(every, 2 * largest.gathered_bytes + -(-others // kept))
+        elif self.spec.keep_gathered_until_backward:
+            params = every
         elif self.spec.shard_params or self.spec.gathers_unsharded:
             params = 2 * largest.gathered_bytes
         else:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
-from ..layers import apply_activation_checkpointing_to
+from ..layers import ActivationCheckpointing, apply_activation_checkpointing_to
 from ..wrappers.fsdp2 import compute_in_fp32
 
 __all__ = ['StepTrace', 'trace_step']
@@ -243,11 +243,13 @@ def _into_trace(value: Any, allocated: set, compute_dtype: Optional[torch.dtype]
 def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
                checkpoint_layers: Tuple[Type[nn.Module], ...] = (),
                compute_dtype: Optional[torch.dtype] = None,
-               fp32_modules: Tuple[str, ...] = ()) -> StepTrace:
+               fp32_modules: Tuple[str, ...] = (),
+               checkpointing: Optional[ActivationCheckpointing] = None) -> StepTrace:
     """Trace forward + backward of ``model`` (real or on the meta device; left untouched).
 
     ``units`` are the wrapper's unit names (:attr:`ShardingSpec.units`);
-    ``checkpoint_layers`` the classes wrapped in activation checkpointing;
+    ``checkpoint_layers`` the classes wrapped in activation checkpointing, in
+    the mode of ``checkpointing`` (full when ``None``);
     ``compute_dtype`` the dtype mixed precision computes in, and
     ``fp32_modules`` the modules that compute in fp32 all the same
     (:attr:`ShardingSpec.fp32_units`).
@@ -259,7 +261,7 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
         fake = _fake_copy(shell, compute_dtype, fp32_modules)
         live = _LiveBytes()
         _track_units(fake, units, live)
-        apply_activation_checkpointing_to(fake, tuple(checkpoint_layers))
+        apply_activation_checkpointing_to(fake, tuple(checkpoint_layers), checkpointing)
         for param in fake.parameters():
             # The wrapper takes each gradient as it is accumulated (reduces it into
             # its own buffers, counted by the plan): keep none here.

@@ -153,6 +153,9 @@ class ShardingSpec:
     #: Whether gathered parameters stay unsharded from forward until backward
     #: (SHARD_GRAD_OP, ``reshard_after_forward=False``): adds them to the peak.
     keep_gathered_until_backward: bool = False
+    #: ``reshard_after_forward=<int>``: between forward and backward the gathered
+    #: parameters stay sharded over this many ranks (1: not resharded at all).
+    kept_shard_size: int = 1
     #: dtype of the gathered parameters used in compute (mixed precision), or
     #: ``None`` for the parameters' own dtype.
     compute_dtype: Optional[torch.dtype] = None

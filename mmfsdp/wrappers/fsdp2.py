@@ -180,6 +180,7 @@ class FullyShardConfig(WrapperConfig):
             padding=Padding.DIM0 if shard > 1 else Padding.NONE,
             shard_params=shard > 1, shard_grads=shard > 1, shard_optimizer=shard > 1,
             keep_gathered_until_backward=shard > 1 and reshard is not True,
+            kept_shard_size=reshard if type(reshard) is int else 1,
             compute_dtype=self.mixed_precision.param_dtype,
             construction=Construction.SHARDS if self.init_device == 'meta' else Construction.FULL,
             gathers_unsharded=True, grads_freed_between_steps=True,
