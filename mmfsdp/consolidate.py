@@ -56,11 +56,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      description=__doc__.split('\n\n')[0])
     parser.add_argument('src', help='sharded checkpoint directory (e.g. iter_1000.pth/)')
     parser.add_argument('dst', help='full checkpoint file to write (its directory must exist)')
+    parser.add_argument('--allow-unsafe-checkpoints', action='store_true',
+                        help='read a checkpoint that needs plain pickle (runs code it holds: '
+                             'only for a checkpoint you trust)')
     args = parser.parse_args(argv)
     try:
-        consolidate(args.src, args.dst)
-    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
+        consolidate(args.src, args.dst, allow_unsafe=args.allow_unsafe_checkpoints)
+    except (FileNotFoundError, ValueError) as e:
         parser.exit(1, f'{parser.prog}: error: {e}\n')
+    except UnsafeCheckpointError as e:  # its advice names the config key; here it is a flag
+        parser.exit(1, f'{parser.prog}: error: {e} (this command: --allow-unsafe-checkpoints)\n')
     print(f'wrote {args.dst}')
 
 

@@ -192,3 +192,15 @@ def test_refused_pth_names_the_rejected_global(tmp_path):
     message = str(refused.value)
     assert f'{Evil.__module__}.{Evil.__qualname__}' in message
     assert 'Check the documentation' not in message and 'allow_unsafe_checkpoints = True' in message
+
+
+def test_consolidate_command_opts_in_with_its_own_flag(written, tmp_path):
+    marker = tmp_path / 'created-by-unpickling'
+    path = _crafted(written, str(tmp_path), str(marker))
+    refused = _consolidate_command(path, str(tmp_path))
+    assert '--allow-unsafe-checkpoints' in refused and not marker.exists()
+    done = subprocess.run([sys.executable, '-m', 'mmfsdp.consolidate', path,
+                           str(tmp_path / 'full.pth'), '--allow-unsafe-checkpoints'],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()  # the user trusts this file
