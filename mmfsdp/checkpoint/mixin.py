@@ -183,7 +183,6 @@ class CheckpointMixin:
                                                in match.loaded.items()}, strict=False)
             if optim_wrapper is not None:
                 load_full_optimizer_state(self.model, optim_wrapper, checkpoint['optimizer'])
-        self._loaded_checkpoint = (filename, checkpoint)
         mark_checkpoint_loaded(self)
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
