@@ -23,7 +23,8 @@ keeping them, in one of three modes:
   inside compiled code, so it needs ``regional_compile``.
 
 ``regional_compile`` compiles each layer of the named classes with
-``nn.Module.compile`` (the other keys are ``torch.compile``'s): repeated layers
+``nn.Module.compile`` (the other keys are ``torch.compile``'s; ``dynamic``
+defaults to ``False``: one static graph per layer shape): repeated layers
 share one small graph, compiled once, and the wrapper's collectives stay
 outside it. The names of parameters and checkpoints do not change.
 ``compile=True`` at the top level of a config keeps mmengine's meaning
@@ -188,7 +189,10 @@ def resolve_regional_compile(value: Any) -> Optional[RegionalCompile]:
         raise TypeError(f"{COMPILE_KEY}: missing 'layer_cls', the layer classes to compile")
     layer_cls = cfg['layer_cls']
     layer_cls = (layer_cls, ) if isinstance(layer_cls, (str, type)) else tuple(layer_cls)
-    options = {k: v for k, v in cfg.items() if k != 'layer_cls'}
+    # One static graph per layer shape: torch 2.13's automatic dynamic shapes, which a
+    # second shape of a compiled layer turns on, fail inside inductor under FSDP2 (ResNet
+    # stages; docs/benchmarks.md); dynamic=None / True asks for them.
+    options = {'dynamic': False, **{k: v for k, v in cfg.items() if k != 'layer_cls'}}
     try:  # compiles nothing: torch checks backend, mode and options when the call is made
         torch.compile(lambda: None, **options)
     except Exception as e:
