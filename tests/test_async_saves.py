@@ -1,11 +1,12 @@
 """``async_save=True``: the same checkpoints as a synchronous save, published only when written.
 
-One 2-process gloo group trains each format (full under FSDP1, sharded under
-FSDP2) with ``EMAHook`` twice, synchronously and asynchronously, saving every
-2 iterations with ``max_keep_ckpts=1``, then resumes each from its iter_4 to
-iter_6. The checkpoints and the resumed runs must be equal (max abs diff 0),
-and an asynchronous checkpoint must not be visible before it is published.
-The faults (a write error on one rank, a full disk, SIGKILL during a background
+One 2-process gloo group trains each format (full under FSDP1; sharded under
+FSDP2, and under FSDP1, whose shards are ``ShardedTensor``s) with ``EMAHook``
+twice, synchronously and asynchronously, saving every 2 iterations with
+``max_keep_ckpts=1``, then resumes each from its iter_4 to iter_6. The
+checkpoints and the resumed runs must be equal (max abs diff 0), and an
+asynchronous checkpoint must not be visible before it is published. The
+faults (a write error on one rank, a full disk, SIGKILL during a background
 write) are in ``test_fault_matrix.py`` and ``test_crash_recovery.py``.
 """
 import os
@@ -20,7 +21,9 @@ from harness import max_abs_diff, raised, run_distributed
 from toy import FSDP1, FSDP2, runner_config
 
 EMA = dict(type='EMAHook', ema_type='ExponentialMovingAverage', momentum=0.1)
-KINDS = {'full': FSDP1, 'sharded': FSDP2}
+#: run -> (state_dict_type, wrapper)
+KINDS = {'full': ('full', FSDP1), 'sharded': ('sharded', FSDP2),
+         'sharded-fsdp1': ('sharded', FSDP1)}
 SAVE_EVERY, FIRST, TOTAL = 2, 4, 6
 
 
@@ -42,8 +45,9 @@ class _Visible(Hook):
                 in_flight=runner.checkpoint_in_flight())
 
 
-def _config(work_dir: str, kind: str, background: bool, max_iters: int, **extra) -> Config:
-    cfg = runner_config(os.path.basename(work_dir), work_dir, wrapper=KINDS[kind],
+def _config(work_dir: str, run: str, background: bool, max_iters: int, **extra) -> Config:
+    kind, wrapper = KINDS[run]
+    cfg = runner_config(os.path.basename(work_dir), work_dir, wrapper=wrapper,
                         batch_size=4, max_iters=max_iters)
     cfg['custom_hooks'] = [dict(EMA)]
     cfg['default_hooks']['checkpoint'] = dict(

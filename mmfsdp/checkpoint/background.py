@@ -28,12 +28,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from ..options import resolve_flag
 from ..together import fail_together
 from .durable import remove_stale_temporaries, replace_path, save_atomically
 
-__all__ = ['BackgroundWrite', 'resolve_async_save', 'write_file_in_background',
+__all__ = ['BackgroundWrite', 'ShardStager', 'resolve_async_save', 'write_file_in_background',
            'write_meta_after', 'writer_group']
 
 
@@ -60,6 +61,54 @@ def writer_group(timeout_s: float) -> Optional[dist.ProcessGroup]:
         _WRITER_GROUPS[key] = dist.new_group(
             backend='gloo', timeout=datetime.timedelta(seconds=timeout_s))
     return _WRITER_GROUPS[key]
+
+
+class ShardStager(AsyncStager):
+    """DCP's staging (a private CPU copy of every tensor), FSDP1's ``ShardedTensor`` included.
+
+    torch 2.13's ``DefaultStager`` fails on a ``ShardedTensor`` ("torch function
+    'data_ptr' ... not supported"), and FSDP1's sharded state dicts are made of
+    them. Their local shards are copied here (the ``ShardedTensor`` itself is a
+    new object per ``state_dict()`` call, so its shards' tensors are swapped for
+    copies); everything else goes through ``DefaultStager``, synchronously.
+    """
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """A copy of ``state_dict`` that training cannot change, on the CPU."""
+        kept: Dict[Tuple[Any, ...], Any] = {}
+        plain = _without_sharded_tensors(state_dict, (), kept)
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            staged = stager.stage(plain)
+        finally:
+            stager.close()
+        for path, value in kept.items():
+            node = staged
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _without_sharded_tensors(node: Any, path: Tuple[Any, ...],
+                             kept: Dict[Tuple[Any, ...], Any]) -> Any:
+    """``node`` with each ``ShardedTensor`` replaced by ``None``, kept (its shards copied)."""
+    if isinstance(node, dict):
+        return {k: _without_sharded_tensors(v, path + (k,), kept) for k, v in node.items()}
+    if isinstance(node, torch.Tensor) and callable(getattr(node, 'local_shards', None)):
+        for shard in node.local_shards():
+            shard.tensor = shard.tensor.detach().to('cpu', copy=True)
+        kept[path] = node
+        return None
+    return node
 
 
 def _run_in_thread(fn: Callable[[], None]) -> concurrent.futures.Future:

@@ -44,7 +44,7 @@ from ..names import unwrapped_param_names
 from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from ..together import control_group, fail_together
-from .background import BackgroundWrite, write_meta_after, writer_group
+from .background import BackgroundWrite, ShardStager, write_meta_after, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
 from .safe_io import load_file
 
@@ -385,7 +385,7 @@ def save_sharded_in_background(path: str, model: nn.Module,
     meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
     with _single_process_is_intended():
         upload = dcp.async_save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner(),
-                                process_group=writer_group(wait_s))
+                                process_group=writer_group(wait_s), async_stager=ShardStager())
     return BackgroundWrite(path, tmp, token, clean_tokens, wait_s,
                            write_meta_after(upload, meta, tmp, META_FILE))
 
