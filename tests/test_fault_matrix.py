@@ -114,15 +114,16 @@ class _DiskFullBeforeSave(Hook):
     """Rank 0's full checkpoint of step 4 is written onto ``/dev/full``: the kernel's ENOSPC.
 
     Its temporary name becomes a symbolic link to ``/dev/full`` (every write
-    there fails with ``ENOSPC``, as on a full disk) before the save of step 4.
+    there fails with ``ENOSPC``, as on a full disk) as the save of step 4
+    starts, after step 2 was published (which removes the run's temporaries).
     """
 
     def __init__(self, case: str) -> None:
         self.case = case
 
-    def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
+    def before_save_checkpoint(self, runner, checkpoint) -> None:
         from mmfsdp.checkpoint.durable import temporary_path
-        if runner.rank == 0 and runner.iter == 3:  # the iteration whose end saves step 4
+        if runner.rank == 0 and checkpoint['meta']['iter'] == 4:
             os.symlink('/dev/full', temporary_path(f'{runner.work_dir}/iter_4.pth',
                                                    runner._temporary_token))
             _inject(self.case)
@@ -159,7 +160,7 @@ def _background_fault(case: str, root: str, kind: str, faulty: int, how: str) ->
     else:
         runner.register_hook(_DiskFullBeforeSave(case))
     try:
-        outcome = _outcome(case, runner.train)
+        outcome = _outcome(case, lambda: runner.train() and None)
     finally:
         FileSystemWriter.write_data, FileSystemWriter.prepare_local_plan = real_write, real_plan
     work_dir = f'{root}/{name}'
