@@ -2,10 +2,11 @@
 
 Usage::
 
-    python -m benchmarks.async_save [--model gpt-100m --world-sizes 2 4 --repeats 2]
+    python -m benchmarks.async_save [--model gpt-100m --world-sizes 2 4 --repeats 2
+                                     --strategies 'FSDP1 FULL_SHARD' 'FSDP2 reshard']
 
-One torchrun job per (world size, format): the demo GPT under FSDP1
-FULL_SHARD per ``TransformerBlock`` with AdamW state after one step saves
+One torchrun job per (strategy, world size, format): the demo GPT sharded per
+``TransformerBlock`` with AdamW state after one step saves
 ``repeats`` times synchronously, then ``repeats`` times with
 ``async_save=True``. Per save and rank:
 
@@ -36,10 +37,11 @@ __all__ = ['case', 'run_case', 'table']
 FORMATS = ('full', 'sharded')
 
 
-def case(kind: str, model: str, repeats: int) -> Dict[str, Any]:
+def case(kind: str, model: str, repeats: int,
+         strategy: str = 'FSDP1 FULL_SHARD') -> Dict[str, Any]:
     """The case of one checkpoint format; both modes run in its job."""
-    return dict(kind='async_save', type=kind, model=model, repeats=repeats,
-                name=f'async-save-{kind}-{model}')
+    return dict(kind='async_save', type=kind, model=model, repeats=repeats, strategy=strategy,
+                name=f'async-save-{kind}-{model}-{strategy.replace(" ", "-")}')
 
 
 def _save(runner: Any, work_dir: str, name: str, kind: str, background: bool) -> tuple:
@@ -65,7 +67,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     work_dir = holder[0]
     measured: Dict[str, List[tuple]] = {'sync': [], 'async': []}
     try:
-        cfg = runner_cfg(case['model'], STRATEGIES['FSDP1 FULL_SHARD'].wrapper_cfg, work_dir,
+        cfg = runner_cfg(case['model'], STRATEGIES[case['strategy']].wrapper_cfg, work_dir,
                          case['name'], 2, 64, 1)
         runner = make_runner(cfg)
         runner.train()
@@ -83,7 +85,8 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     if dist.get_rank() != 0:
         return {}
     out: Dict[str, Any] = dict(kind='async_save', name=case['name'], type=kind,
-                               model=case['model'], world_size=dist.get_world_size())
+                               model=case['model'], strategy=case['strategy'],
+                               world_size=dist.get_world_size())
     for mode in ('sync', 'async'):
         per_save = list(zip(*(rank[mode] for rank in everyone)))  # one tuple of ranks per save
         out[mode] = dict(blocked_s=summary(max(r[0] for r in save) for save in per_save),
@@ -96,15 +99,16 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
 def table(results: List[Dict[str, Any]]) -> str:
     """The Markdown table of ``results``."""
     mib = 1 << 20
-    lines = ['| format | N | blocked sync (s) | blocked async (s) | async / sync | '
+    lines = ['| wrapper | format | N | blocked sync (s) | blocked async (s) | async / sync | '
              'written + published, async (s) | peak sync, rank 0 (MiB) | '
              'peak async, rank 0 (MiB) | staging extra, rank 0 (MiB) |',
-             '|---|---|---|---|---|---|---|---|---|']
+             '|---|---|---|---|---|---|---|---|---|---|']
     for r in results:
         sync, background = r['sync'], r['async']
         ratio = background['blocked_s']['median'] / sync['blocked_s']['median']
         lines.append(
-            f"| {r['type']} | {r['world_size']} | {sync['blocked_s']['median']:.2f} | "
+            f"| {r.get('strategy', 'FSDP1 FULL_SHARD')} | {r['type']} | {r['world_size']} | "
+            f"{sync['blocked_s']['median']:.2f} | "
             f"{background['blocked_s']['median']:.2f} | {ratio:.2f} | "
             f"{background['total_s']['median']:.2f} | {sync['rank0_peak_bytes'] / mib:.0f} | "
             f"{background['rank0_peak_bytes'] / mib:.0f} | "
@@ -119,18 +123,21 @@ def main() -> None:
     parser.add_argument('--model', default='gpt-100m')
     parser.add_argument('--world-sizes', type=int, nargs='+', default=[2, 4])
     parser.add_argument('--repeats', type=int, default=2)
+    parser.add_argument('--strategies', nargs='+', default=['FSDP1 FULL_SHARD', 'FSDP2 reshard'],
+                        help='labels of benchmarks.workload.STRATEGIES')
     parser.add_argument('--out', help='also write the results (JSON lines) here')
     args = parser.parse_args()
     results = []
-    for world_size in args.world_sizes:
-        for kind in FORMATS:
-            result, = torchrun([case(kind, args.model, args.repeats)], world_size,
-                               exact_allocator=True)
-            print(json.dumps(result), flush=True)
-            results.append(result)
-            if args.out:
-                with open(args.out, 'a') as f:
-                    f.write(json.dumps(result) + '\n')
+    for strategy in args.strategies:
+        for world_size in args.world_sizes:
+            for kind in FORMATS:
+                result, = torchrun([case(kind, args.model, args.repeats, strategy)], world_size,
+                                   exact_allocator=True)
+                print(json.dumps(result), flush=True)
+                results.append(result)
+                if args.out:
+                    with open(args.out, 'a') as f:
+                        f.write(json.dumps(result) + '\n')
     print(table(results))
 
 
