@@ -451,11 +451,12 @@ def write_report(data: Dict[str, Any], path: str, img_dir: Optional[str] = None)
 
 
 #: Sections that other benchmark scripts write between these markers; kept on rewrite.
-KEPT = (('<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'), )
+KEPT = (('<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'),
+        ('<!-- async-save:begin -->', '<!-- async-save:end -->'))
 
 
 def _kept_sections(path: str) -> str:
-    """The marked sections of the report now at ``path`` (``python -m benchmarks.peak_truth``)."""
+    """The marked sections of the report now at ``path`` (peak_truth, async_save)."""
     try:
         with open(path) as f:
             old = f.read()
