@@ -451,11 +451,14 @@ def write_report(data: Dict[str, Any], path: str, img_dir: Optional[str] = None)
 
 
 #: Sections that other benchmark scripts write between these markers; kept on rewrite.
-KEPT = (('<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'), )
+KEPT = (('<!-- peak-truth:begin -->', '<!-- peak-truth:end -->'),
+        ('<!-- compile-section:begin -->', '<!-- compile-section:end -->'),
+        ('<!-- load-bytes-section:begin -->', '<!-- load-bytes-section:end -->'),
+        ('<!-- async-save:begin -->', '<!-- async-save:end -->'))
 
 
 def _kept_sections(path: str) -> str:
-    """The marked sections of the report now at ``path`` (``python -m benchmarks.peak_truth``)."""
+    """The marked sections of the report now at ``path`` (:data:`KEPT`)."""
     try:
         with open(path) as f:
             old = f.read()

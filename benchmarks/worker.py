@@ -19,6 +19,7 @@ from mmfsdp.dist import init_distributed, shutdown_distributed
 from . import (
     accumulation,
     agreement,
+    async_save,
     checkpoint_cost,
     construction,
     memory,
@@ -34,7 +35,7 @@ KINDS = dict(memory=memory.run_case, overhead=overhead.run_case,
              construction=construction.run_case, checkpoint=checkpoint_cost.run_case,
              agreement=agreement.run_case, peers=peers.run_case,
              accumulation=accumulation.run_case, peak=peak_truth.run_case,
-             tensor_peak=tensor_peaks.run_case)
+             tensor_peak=tensor_peaks.run_case, async_save=async_save.run_case)
 
 
 def main() -> None:

@@ -257,9 +257,20 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         return state[None] if None in state else state
 
     def train(self) -> nn.Module:
-        """The stock ``train()``, checking what precedes the wrap (:class:`WrapPreconditions`)."""
+        """The stock ``train()``, checking what precedes the wrap (:class:`WrapPreconditions`).
+
+        A checkpoint still written in the background is published at the end
+        (its write error raised on every rank); if training fails, its write is
+        waited for and left unpublished (:meth:`abandon_checkpoint`).
+        """
         with self._preconditions.phase('train'):
-            return super().train()
+            try:
+                model = super().train()
+            except BaseException:
+                self.abandon_checkpoint()
+                raise
+            self.wait_for_checkpoint()
+            return model
 
     def init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""

@@ -4,7 +4,8 @@ A checkpoint is written under a temporary name and renamed into place, and
 the expired checkpoint is deleted only after ``last_checkpoint`` points at the
 new one (``max_keep_ckpts=1`` here). So SIGKILL during a save leaves the
 previous checkpoint and ``last_checkpoint`` intact, and ``resume=True``
-continues from it with the same numbers as an uninterrupted run.
+continues from it with the same numbers as an uninterrupted run. The same
+holds for a rank killed while its background write (``async_save=True``) runs.
 """
 import os
 import signal
@@ -23,10 +24,17 @@ KILL_AT, TOTAL = 4, 6
 TOL = 2e-5
 
 
-def _config(work_dir: str, kind: str, timeout: int = 60) -> Config:
-    cfg = runner_config(f'crash-{kind}', work_dir, wrapper=FSDP1, batch_size=4, max_iters=TOTAL)
+#: work dir -> (state_dict_type, async_save)
+RUNS = {'full': ('full', False), 'sharded': ('sharded', False),
+        'full-async': ('full', True), 'sharded-async': ('sharded', True)}
+
+
+def _config(work_dir: str, run: str, timeout: int = 60) -> Config:
+    kind, background = RUNS[run]
+    cfg = runner_config(f'crash-{run}', work_dir, wrapper=FSDP1, batch_size=4, max_iters=TOTAL)
     cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=2, by_epoch=False,
-                                              max_keep_ckpts=1, state_dict_type=kind)
+                                              max_keep_ckpts=1, state_dict_type=kind,
+                                              async_save=background)
     cfg.update(resume=True, env_cfg=dict(dist_cfg=dict(timeout=timeout)))
     return Config(cfg)
 
@@ -35,19 +43,26 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _crash_during_save(work_dir: str, kind: str) -> None:
+def _crash_during_save(work_dir: str, run: str) -> None:
     """Rank 0 dies half-way through writing the full file at KILL_AT; for
-    sharded checkpoints rank 1 dies while writing its shard."""
+    sharded checkpoints rank 1 dies while writing its shard. With async_save
+    the write, and so the kill, happens in the background writer thread."""
     import mmfsdp
     target = f'iter_{KILL_AT}.pth.tmp'
     rank = int(os.environ['RANK'])
+    kind = RUNS[run][0]
     if kind == 'full' and rank == 0:
         real_save = torch.save
 
         def save(obj, f, *args, **kwargs):
-            if str(f).endswith(target):
-                with open(f, 'wb') as partial:
-                    partial.write(b'PK\x03\x04 half a checkpoint')
+            name = getattr(f, 'name', f)  # the background writer passes an open file
+            if str(name).endswith(target):
+                if isinstance(f, (str, os.PathLike)):
+                    with open(f, 'wb') as partial:
+                        partial.write(b'PK\x03\x04 half a checkpoint')
+                else:
+                    f.write(b'PK\x03\x04 half a checkpoint')
+                    f.flush()
                 _die()
             return real_save(obj, f, *args, **kwargs)
 
@@ -62,17 +77,17 @@ def _crash_during_save(work_dir: str, kind: str) -> None:
             return real_write(self, plan, planner)
 
         FileSystemWriter.write_data = write_data
-    mmfsdp.FSDPRunner.from_cfg(_config(work_dir, kind, timeout=10)).train()
+    mmfsdp.FSDPRunner.from_cfg(_config(work_dir, run, timeout=10)).train()
 
 
 def _resume(root: str) -> dict:
     import mmfsdp
     from mmfsdp.checkpoint.state import gather_full_state
     out = {}
-    for kind in ('full', 'sharded'):
-        runner = mmfsdp.FSDPRunner.from_cfg(_config(f'{root}/{kind}', kind))
+    for run in RUNS:
+        runner = mmfsdp.FSDPRunner.from_cfg(_config(f'{root}/{run}', run))
         runner.train()
-        out[kind] = dict(state=gather_full_state(runner.model, None)[0], iter=runner.iter)
+        out[run] = dict(state=gather_full_state(runner.model, None)[0], iter=runner.iter)
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -85,12 +100,12 @@ def root(tmp_path_factory) -> str:
 def crashed(root) -> dict:
     """The state of each work dir right after its crash."""
     state = {}
-    for kind in ('full', 'sharded'):
+    for run in RUNS:
         with pytest.raises((AssertionError, TimeoutError)):
-            run_distributed(_crash_during_save, 2, f'{root}/{kind}', kind, timeout=120)
-        work_dir = f'{root}/{kind}'
-        state[kind] = dict(files=sorted(os.listdir(work_dir)),
-                           last=open(f'{work_dir}/last_checkpoint').read())
+            run_distributed(_crash_during_save, 2, f'{root}/{run}', run, timeout=120)
+        work_dir = f'{root}/{run}'
+        state[run] = dict(files=sorted(os.listdir(work_dir)),
+                          last=open(f'{work_dir}/last_checkpoint').read())
     return state
 
 
@@ -110,23 +125,23 @@ def reference(tmp_path_factory) -> dict:
     return runner.model.state_dict()
 
 
-@pytest.mark.parametrize('kind', ['full', 'sharded'])
-def test_kill_during_save_keeps_previous_checkpoint(crashed, root, kind):
-    files, last = crashed[kind]['files'], crashed[kind]['last']
-    assert last == os.path.join(root, kind, 'iter_2.pth')
+@pytest.mark.parametrize('run', list(RUNS))
+def test_kill_during_save_keeps_previous_checkpoint(crashed, root, run):
+    files, last = crashed[run]['files'], crashed[run]['last']
+    assert last == os.path.join(root, run, 'iter_2.pth')
     assert 'iter_2.pth' in files and f'iter_{KILL_AT}.pth' not in files
-    if kind == 'full':
+    if RUNS[run][0] == 'full':
         assert torch.load(last)['meta']['iter'] == 2
     else:
         assert is_sharded_checkpoint(last)
 
 
-@pytest.mark.parametrize('kind', ['full', 'sharded'])
-def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, kind):
-    got = resumed[kind]
+@pytest.mark.parametrize('run', list(RUNS))
+def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, run):
+    got = resumed[run]
     assert got['iter'] == TOTAL
     diff = max_abs_diff(got['state'], reference)
-    print(f'{kind}: max abs diff after crash + auto-resume {diff:.1e}')
+    print(f'{run}: max abs diff after crash + auto-resume {diff:.1e}')
     assert diff <= TOL
 
 

@@ -8,6 +8,7 @@ error is printed (``pytest -s``) and must stay far below the collective
 timeout of the harness (:data:`harness.COLLECTIVE_TIMEOUT_S`), so no case
 passes by merely timing out.
 """
+import errno
 import json
 import logging
 import os
@@ -41,13 +42,15 @@ class _RaiseBeforeSave(Hook):
 
 
 def _runner(name: str, root: str, wrapper: dict, checkpoint: str = None, max_iters: int = 2,
-            **cfg):
+            async_save: bool = False, **cfg):
     from mmfsdp import FSDPRunner
     config = runner_config(name, f'{root}/{name}', batch_size=4, wrapper=wrapper,
                            max_iters=max_iters)
     if checkpoint is not None:
         config['default_hooks']['checkpoint'] = dict(
             type='CheckpointHook', interval=2, by_epoch=False, state_dict_type=checkpoint)
+        if async_save:
+            config['default_hooks']['checkpoint']['async_save'] = True
     config.update(cfg)
     return FSDPRunner.from_cfg(Config(config))
 
@@ -105,6 +108,66 @@ def _resume_after_damage(case: str, root: str, kind: str, damaged: list, how: st
     runner.train()
     return dict(start=start.iter, end_iter=runner.iter,
                 warnings=[m for m in collect.messages if 'Auto-resume' in m])
+
+
+class _DiskFullBeforeSave(Hook):
+    """Rank 0's full checkpoint of step 4 is written onto ``/dev/full``: the kernel's ENOSPC.
+
+    Its temporary name becomes a symbolic link to ``/dev/full`` (every write
+    there fails with ``ENOSPC``, as on a full disk) as the save of step 4
+    starts, after step 2 was published (which removes the run's temporaries).
+    """
+
+    def __init__(self, case: str) -> None:
+        self.case = case
+
+    def before_save_checkpoint(self, runner, checkpoint) -> None:
+        from mmfsdp.checkpoint.durable import temporary_path
+        if runner.rank == 0 and checkpoint['meta']['iter'] == 4:
+            os.symlink('/dev/full', temporary_path(f'{runner.work_dir}/iter_4.pth',
+                                                   runner._temporary_token))
+            _inject(self.case)
+
+
+def _background_fault(case: str, root: str, kind: str, faulty: int, how: str) -> dict:
+    """Save steps 2 and 4 in the background; rank ``faulty``'s write of step 4 fails."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from mmfsdp.checkpoint import META_FILE
+    from mmfsdp.checkpoint.durable import find_complete_checkpoint
+    name = case.replace(' ', '-')
+    rank = int(os.environ['RANK'])
+    real_write, real_plan = FileSystemWriter.write_data, FileSystemWriter.prepare_local_plan
+
+    def write_data(self, plan, planner):  # runs in the background writer thread
+        if rank == faulty and 'iter_4.pth' in str(self.path):
+            _inject(case)
+            raise OSError(errno.EIO, 'Input/output error (injected)')
+        return real_write(self, plan, planner)
+
+    def prepare_local_plan(self, plan):  # creates the directory: put the disk-full file in it
+        plan = real_plan(self, plan)
+        if rank == faulty and 'iter_4.pth' in str(self.path):
+            os.symlink('/dev/full', os.path.join(self.path, f'__{rank}_0.distcp'))
+            _inject(case)
+        return plan
+
+    runner = _runner(name, root, FSDP2, checkpoint=kind, max_iters=4, async_save=True)
+    if how == 'error':
+        FileSystemWriter.write_data = write_data
+    elif kind == 'sharded':
+        FileSystemWriter.prepare_local_plan = prepare_local_plan
+    else:
+        runner.register_hook(_DiskFullBeforeSave(case))
+    try:
+        outcome = _outcome(case, lambda: runner.train() and None)
+    finally:
+        FileSystemWriter.write_data, FileSystemWriter.prepare_local_plan = real_write, real_plan
+    work_dir = f'{root}/{name}'
+    pointer = open(f'{work_dir}/last_checkpoint').read()
+    return dict(outcome, pointer=pointer,
+                files=sorted(n for n in os.listdir(work_dir) if n.startswith('iter_')),
+                complete=find_complete_checkpoint(pointer, META_FILE, print) == pointer)
 
 
 def _faults(root: str) -> dict:
@@ -173,6 +236,8 @@ def _faults(root: str) -> dict:
         record(name, _outcome(name, fn))
     for name, args in RESUME_CASES.items():
         record(name, _outcome(name, lambda n=name, a=args: _resume_after_damage(n, root, *a)))
+    for name, args in BACKGROUND_FAULTS.items():
+        record(name, _background_fault(name, root, *args))
 
     # Last, as it ends the group: rank 1 dies mid-step; rank 0 must not wait for it.
     class Die(Hook):
@@ -313,3 +378,31 @@ def test_slow_healthy_save_outlives_the_collective_timeout(tmp_path):
     for result in results:
         assert result['iter'] == 2 and result['saved']
         assert result['wall'] > SLOW_SAVE_S > 2 * SHORT_TIMEOUT_S - 1
+
+
+#: case -> (format, the rank whose background write of step 4 fails, how). 'full disk': the
+#: write goes to /dev/full through a symbolic link (a real ENOSPC from the kernel; no tmpfs
+#: with a quota is available here); 'error': DCP's write_data raises EIO.
+BACKGROUND_FAULTS = {
+    'background write error sharded': ('sharded', 1, 'error'),
+    'background full disk full': ('full', 0, 'full disk'),
+    'background full disk sharded': ('sharded', 1, 'full disk'),
+}
+
+
+@pytest.mark.parametrize('case', list(BACKGROUND_FAULTS))
+def test_failed_background_write_is_an_error_on_every_rank_and_publishes_nothing(ranks, case):
+    """Raised at the end of training (the next publication) on every rank, naming the rank and
+    its error; step 4 never appears, ``last_checkpoint`` still names the complete step 2."""
+    _, faulty, how = BACKGROUND_FAULTS[case]
+    cause = 'No space left on device' if how == 'full disk' else 'Input/output error (injected)'
+    own, other = ranks[faulty][case], ranks[1 - faulty][case]
+    assert own['type'] == 'OSError' and cause in own['message'], own
+    assert other['type'] == 'PeerFailure', other
+    for fragment in ['saving checkpoint', 'iter_4.pth', 'written in the background',
+                     f'rank {faulty}', 'OSError', cause]:
+        assert fragment in other['message'], (fragment, other['message'])
+    for rank in ranks:
+        assert rank[case]['pointer'].endswith('/iter_2.pth') and rank[case]['complete']
+        assert rank[case]['files'] == ['iter_2.pth'], rank[case]['files']
+    assert _wall(ranks, case) < BOUND_S

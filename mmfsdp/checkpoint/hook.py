@@ -8,30 +8,92 @@ for ``CheckpointHook``::
 
     default_hooks = dict(checkpoint=dict(type='CheckpointHook', interval=1000,
                                          max_keep_ckpts=3, state_dict_type='sharded',
+                                         async_save=True,
                                          published_keys=['meta', 'state_dict']))
+
+With ``async_save=True`` a checkpoint is written in the background
+(:mod:`.background`): it is renamed into place, ``last_checkpoint`` repointed
+and the expired one deleted when the write is published, at the next save
+or the end of training, once every rank's write has finished.
 """
 import hashlib
 import logging
 import os
 import tempfile
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
 from mmengine.dist import is_main_process
 from mmengine.logging import MMLogger
 
 from ..compat import CheckpointHookSteps
+from ..options import check_keys
 from ..registry import HOOKS
 from ..together import fail_together
+from .background import resolve_async_save
 from .durable import remove_path, replace_path, save_atomically, write_text_atomically
 from .safe_io import ENCODING_KEY, load_file
-from .state import is_sharded_checkpoint
+from .state import is_sharded_checkpoint, resolve_state_dict_type
 
-__all__ = ['CheckpointHook', 'publish']
+__all__ = ['CheckpointHook', 'DEFAULT_SAVE_TIMEOUT_S', 'SAVE_OPTIONS', 'check_save_options',
+           'publish', 'resolve_save_timeout']
+
+#: How long the other ranks wait for rank 0 to write a checkpoint, by default: generous,
+#: as it bounds only a slow but live save (a failing rank fails the others at once); the
+#: process group's timeout is sized for collectives and would kill a healthy multi-GB save.
+DEFAULT_SAVE_TIMEOUT_S = 3600.0
+
+
+def resolve_save_timeout(value: Any) -> float:
+    """``save_timeout``: positive seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TypeError(f'default_hooks.checkpoint.save_timeout: expected positive seconds, '
+                        f'got {value!r}')
+    return float(value)
+
+
+#: The options ``FSDPRunner.save_checkpoint`` takes beyond the stock hook's, and their resolvers.
+SAVE_OPTIONS: Dict[str, Callable[[Any], Any]] = {
+    'state_dict_type': resolve_state_dict_type,
+    'save_timeout': resolve_save_timeout,
+    'async_save': resolve_async_save,
+}
+
+
+def check_save_options(options: Mapping[str, Any]) -> None:
+    """Refuse an unknown key or a bad value among the hook's extra options, naming it."""
+    check_keys(options, SAVE_OPTIONS, 'default_hooks.checkpoint')
+    for key, value in options.items():
+        SAVE_OPTIONS[key](value)
+
+
+def _when_published(runner: Any, callback: Callable[[], None]) -> None:
+    """``callback`` once the checkpoint just saved is in place (at once if saved synchronously)."""
+    later = getattr(runner, 'when_checkpoint_published', None)
+    if later is None:
+        callback()
+    else:
+        later(callback)
+
+
+def _wait_for_checkpoint(runner: Any) -> None:
+    """Publish a checkpoint still being written in the background (collective)."""
+    wait = getattr(runner, 'wait_for_checkpoint', None)
+    if wait is not None:
+        wait()
 
 
 @HOOKS.register_module()
 class CheckpointHook(CheckpointHookSteps):
     """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The stock options; the extra ones are checked here, at start-up, on every rank.
+
+        The extra ones (:data:`SAVE_OPTIONS`): ``state_dict_type``,
+        ``save_timeout`` and ``async_save``.
+        """
+        super().__init__(*args, **kwargs)
+        check_save_options(self.save_kwargs)
 
     def before_train(self, runner) -> None:
         """The stock set-up, without two deprecation notices about mmengine's own code.
@@ -58,7 +120,11 @@ class CheckpointHook(CheckpointHookSteps):
         Until deleted, the expired checkpoint stays first in the saved
         ``keep_ckpt_ids``: after a crash in between, the resumed run's stock
         ``before_train`` finds one id too many and deletes it, as mmengine does.
+        After an asynchronous save, repointing and deleting wait until the
+        checkpoint is published; a save still in flight is published first,
+        so that the bookkeeping sees what a synchronous run would.
         """
+        _wait_for_checkpoint(runner)
         expired = None
         if self.max_keep_ckpts > 0 and not (self.kept_steps and self.kept_steps[-1] == step):
             kept = self.kept_steps
@@ -81,10 +147,15 @@ class CheckpointHook(CheckpointHookSteps):
             by_epoch=self.by_epoch,
             backend_args=self.backend_args,
             **self.save_kwargs)
+        saved = self.last_ckpt
+        _when_published(runner, lambda: self._repoint(runner, saved, expired))
+
+    def _repoint(self, runner, path: str, expired) -> None:
+        """Point ``last_checkpoint`` at ``path``, then delete the ``expired`` step's checkpoint."""
         pointer = os.path.join(runner.work_dir, 'last_checkpoint')
-        with fail_together(f'updating {pointer} after saving {filename}'):
+        with fail_together(f'updating {pointer} after saving {os.path.basename(path)}'):
             if is_main_process():
-                write_text_atomically(self.last_ckpt, pointer)
+                write_text_atomically(path, pointer)
                 if expired is not None:
                     remove_path(self.checkpoint_path(self.checkpoint_name(expired)))
         if expired is not None:
@@ -125,10 +196,8 @@ class CheckpointHook(CheckpointHookSteps):
                                    file_client_args=self.file_client_args, save_optimizer=False,
                                    save_param_scheduler=False, meta=meta, by_epoch=False,
                                    backend_args=self.backend_args, **self.save_kwargs)
-            with fail_together(f'removing the previous best checkpoint {previous}'):
-                if is_main_process() and previous and previous != path:
-                    remove_path(previous)
-                    runner.logger.info(f'The previous best checkpoint {previous} is removed')
+            _when_published(runner, lambda old=previous, new=path: self._remove_best(
+                runner, old, new))
             runner.logger.info(f'The best checkpoint with {score:0.4f} {indicator} at {step} '
                                f'{unit} is saved to {name}.')
         # As mmengine: save the regular checkpoint again, so that the message hub
@@ -136,8 +205,21 @@ class CheckpointHook(CheckpointHookSteps):
         if updated and self.last_ckpt is not None:
             self.save_checkpoint_with_step(runner, step, meta)
 
+    @staticmethod
+    def _remove_best(runner, previous: str, path: str) -> None:
+        with fail_together(f'removing the previous best checkpoint {previous}'):
+            if is_main_process() and previous and previous != path:
+                remove_path(previous)
+                runner.logger.info(f'The previous best checkpoint {previous} is removed')
+
+    def after_train(self, runner) -> None:
+        """Publish a checkpoint still being written in the background, then as the stock hook."""
+        _wait_for_checkpoint(runner)
+        super().after_train(runner)
+
     def publish_model(self, runner, ckpt_path: str) -> None:
         """Publish a full file or a sharded directory (:func:`publish`)."""
+        _wait_for_checkpoint(runner)
         with fail_together(f'publishing {ckpt_path}'):
             if is_main_process():
                 published = publish(ckpt_path, self.published_keys)

@@ -4,9 +4,13 @@ The stock versions save on rank 0 alone and load rank 0's view everywhere;
 these take every rank through the gather or the scatter and keep the rest of
 mmengine's behaviour (meta, message hub, schedulers, hooks).
 """
+import atexit
+import copy
+import os
 import os.path as osp
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mmengine
 import torch
@@ -19,8 +23,15 @@ from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
 from ..together import control_group, fail_together
-from .durable import find_complete_checkpoint, new_token, remove_stale_temporaries, save_atomically
-from .hook import CheckpointHook
+from .background import BackgroundWrite, resolve_async_save, write_file_in_background
+from .durable import (
+    find_complete_checkpoint,
+    new_token,
+    remove_stale_temporaries,
+    save_atomically,
+    temporary_path,
+)
+from .hook import DEFAULT_SAVE_TIMEOUT_S, CheckpointHook, resolve_save_timeout
 from .safe_io import UNSAFE_SWITCH, decode, encode, read_checkpoint, unsafe_values, without_code
 from .state import (
     META_FILE,
@@ -38,6 +49,7 @@ from .state import (
     read_sharded_meta,
     resolve_state_dict_type,
     save_sharded,
+    save_sharded_in_background,
 )
 
 __all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
@@ -45,20 +57,6 @@ __all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
 #: ``meta`` key of a checkpoint: the tokens of the runs whose temporaries the run that
 #: wrote it removes; a run resuming from it takes them over.
 TOKENS_KEY = 'temporary_tokens'
-
-#: How long the other ranks wait for rank 0 to write a checkpoint, by default: generous,
-#: as it bounds only a slow but live save (a failing rank fails the others at once); the
-#: process group's timeout is sized for collectives and would kill a healthy multi-GB save.
-DEFAULT_SAVE_TIMEOUT_S = 3600.0
-
-
-def resolve_save_timeout(value: Any) -> float:
-    """``save_timeout``: positive seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TypeError(f'default_hooks.checkpoint.save_timeout: expected positive seconds, '
-                        f'got {value!r}')
-    return float(value)
-
 
 #: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
 _REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, MMEngineCheckpointHook: CheckpointHook,
@@ -95,19 +93,26 @@ class CheckpointMixin:
                         save_param_scheduler: bool = True, meta: Optional[Dict] = None,
                         by_epoch: bool = True, backend_args: Optional[Dict] = None,
                         state_dict_type: str = 'full',
-                        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
+                        save_timeout: float = DEFAULT_SAVE_TIMEOUT_S,
+                        async_save: bool = False) -> None:
         """Save a checkpoint; every rank calls it (as ``CheckpointHook`` does).
 
         Args mirror ``Runner.save_checkpoint``, plus ``state_dict_type``
         (``'full'``: one file by rank 0; ``'sharded'``: a directory of every
-        rank's shards) and ``save_timeout`` (seconds the other ranks wait for
-        rank 0's writes). Only local paths are supported.
+        rank's shards), ``save_timeout`` (seconds the other ranks wait for
+        rank 0's writes) and ``async_save`` (return once the state is staged;
+        the checkpoint is written in the background and appears at the next
+        save, :meth:`wait_for_checkpoint`, the end of ``train()`` or exit).
+        A save still in flight is first waited for and published. Only local
+        paths are supported.
         """
         kind = resolve_state_dict_type(state_dict_type)
         wait_s = resolve_save_timeout(save_timeout)
+        background = resolve_async_save(async_save)
         if file_client_args is not None or backend_args is not None:
             raise ValueError('default_hooks.checkpoint: FSDPRunner writes checkpoints to local '
                              'paths only; remove file_client_args / backend_args')
+        self.wait_for_checkpoint()
         path = osp.join(out_dir, filename)
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         token, clean = self._temporaries()
@@ -122,11 +127,14 @@ class CheckpointMixin:
                 checkpoint['optimizer'] = optimizer
             # hooks with sharded state of their own (EMAHook) gather it, on every rank
             self.call_hook('collect_checkpoint_state', checkpoint=checkpoint)
-            with fail_together(f'saving checkpoint {path}', wait_s):
-                if is_main_process():
-                    self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                    save_atomically(self._safe_to_load(checkpoint), path, token)
-                    remove_stale_temporaries(out_dir, clean)
+            if background:
+                self._start_background_write(checkpoint, path, token, clean, wait_s)
+            else:
+                with fail_together(f'saving checkpoint {path}', wait_s):
+                    if is_main_process():
+                        self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+                        save_atomically(self._safe_to_load(checkpoint), path, token)
+                        remove_stale_temporaries(out_dir, clean)
         else:
             if optim_wrapper is not None:
                 checkpoint['optimizer_extras'] = optimizer_extras(optim_wrapper)
@@ -137,9 +145,79 @@ class CheckpointMixin:
                 if is_main_process():
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
                     checkpoint = self._safe_to_load(checkpoint)
-            save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
-                         token, clean)
-        self._resumed_tokens = []  # their leftovers are gone
+            if background:
+                self._in_flight = save_sharded_in_background(
+                    path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards, token,
+                    clean)
+                _finish_at_exit(self)
+            else:
+                save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
+                             token, clean)
+        self._resumed_tokens = []  # their leftovers go when this checkpoint is in place
+
+    def _start_background_write(self, checkpoint: Dict[str, Any], path: str, token: str,
+                                clean: Sequence[str], wait_s: float) -> None:
+        """Rank 0 stages a full checkpoint (a private copy on its CPU) and writes it in a thread."""
+        tmp = temporary_path(path, token)
+        future = None
+        with fail_together(f'staging checkpoint {path}', wait_s):
+            if is_main_process():
+                self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+                staged = copy.deepcopy(self._safe_to_load(checkpoint))
+                os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+                future = write_file_in_background(staged, tmp)
+        self._in_flight = BackgroundWrite(path, tmp, token, clean, wait_s, future)
+        _finish_at_exit(self)
+
+    def checkpoint_in_flight(self) -> Optional[str]:
+        """The path of the checkpoint being written in the background, or ``None``."""
+        write = getattr(self, '_in_flight', None)
+        return write.path if write is not None else None
+
+    def when_checkpoint_published(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on every rank) once the last saved checkpoint is in place.
+
+        At once after a synchronous save; after an asynchronous one, when
+        :meth:`wait_for_checkpoint` has published it. Not called if its write
+        fails.
+        """
+        write = getattr(self, '_in_flight', None)
+        if write is None:
+            callback()
+        else:
+            write.callbacks.append(callback)
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish the checkpoint being written in the background, if any (collective).
+
+        Every rank waits for its own write; the ranks agree that every write
+        finished; rank 0 renames the checkpoint into place; then the hook
+        repoints ``last_checkpoint`` and deletes what ``max_keep_ckpts``
+        expires. A write that failed on any rank raises here on every rank,
+        naming the rank and its error, and nothing is renamed.
+        """
+        write = getattr(self, '_in_flight', None)
+        if write is None:
+            return
+        self._in_flight = None
+        write.publish(is_main_process())
+
+    def abandon_checkpoint(self) -> None:
+        """After an error: wait for this rank's background write, publish nothing (local).
+
+        The ranks cannot agree while one of them is failing; the checkpoint
+        stays a temporary, which auto-resume never picks and the next run
+        removes. A write error is logged.
+        """
+        write = getattr(self, '_in_flight', None)
+        if write is None:
+            return
+        self._in_flight = None
+        error = write.abandon()
+        self.logger.warning(
+            f'{write.path} was being written in the background when training stopped; it is '
+            'not published' + (f' (its write failed here: {type(error).__name__}: {error})'
+                               if error is not None else ''))
 
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[Tuple[str, str]] = ((r'^module.', ''), )
@@ -291,3 +369,32 @@ def _from_rank0(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0, group=control_group())
     return box[0]
+
+
+_UNFINISHED: 'weakref.WeakSet[CheckpointMixin]' = weakref.WeakSet()
+_REGISTERED: List[bool] = []
+
+
+def _finish_at_exit(runner: CheckpointMixin) -> None:
+    """Publish ``runner``'s background write when the interpreter exits, if still in flight.
+
+    Registered at the first background save, after ``shutdown_at_exit``, so it
+    runs before the process group is destroyed (``atexit`` runs last in, first out).
+    """
+    if not _REGISTERED:
+        atexit.register(_finish_unfinished)
+        _REGISTERED.append(True)
+    _UNFINISHED.add(runner)
+
+
+def _finish_unfinished() -> None:
+    for runner in list(_UNFINISHED):
+        if runner.checkpoint_in_flight() is None:
+            continue
+        if dist.is_initialized() or not getattr(runner, 'distributed', False):
+            try:
+                runner.wait_for_checkpoint()
+            except Exception as e:  # noqa: BLE001 - at exit there is no caller to raise to
+                runner.logger.error(f'At exit: {type(e).__name__}: {e}')
+        else:  # the group is gone: nothing can be agreed
+            runner.abandon_checkpoint()

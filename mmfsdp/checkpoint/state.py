@@ -15,6 +15,7 @@ itself) are rank 0's in both formats, as in mmengine's stock checkpoint.
 shapes before any tensor is read.
 """
 import contextlib
+import copy
 import dataclasses
 import enum
 import os
@@ -43,6 +44,7 @@ from ..names import unwrapped_param_names
 from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from ..together import control_group, fail_together
+from .background import BackgroundWrite, ShardStager, write_meta_after, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
 from .safe_io import SafeFileSystemReader, load_file, load_shards
 
@@ -50,7 +52,8 @@ __all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
            'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
            'is_sharded_checkpoint', 'load_full_model_state', 'load_full_optimizer_state',
            'load_sharded', 'match_keys', 'model_shapes', 'optimizer_extras', 'read_sharded_meta',
-           'resolve_state_dict_type', 'save_sharded', 'sharded_state']
+           'resolve_state_dict_type', 'save_sharded', 'save_sharded_in_background',
+           'sharded_state']
 
 #: The file of a sharded checkpoint that holds everything but the shards.
 META_FILE = 'mmengine.pth'
@@ -351,23 +354,54 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     are saved beside the model's (e.g. ``EMAHook``'s ``'ema'``); the
     temporaries of ``clean_tokens`` are removed after the rename.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    check_shared_directory(directory, token)
-    tmp = temporary_path(path, token)
-    with fail_together(f'clearing {tmp}'):
-        if is_main_process() and os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+    tmp = _clear_temporary(path, token)
     shards, param_groups = sharded_state(model, optim_wrapper)
     shards.update(extra_shards or {})
     with _single_process_is_intended():
         dcp.save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner())
     with fail_together(f'saving checkpoint {path}', wait_s):
         if is_main_process():
-            if param_groups is not None:
-                extra = dict(extra, optimizer_param_groups=param_groups)
-            save_atomically(extra, os.path.join(tmp, META_FILE))
+            save_atomically(_with_param_groups(extra, param_groups),
+                            os.path.join(tmp, META_FILE))
             replace_path(tmp, path, token)
-            remove_stale_temporaries(directory, clean_tokens)
+            remove_stale_temporaries(os.path.dirname(os.path.abspath(path)), clean_tokens)
+
+
+def save_sharded_in_background(path: str, model: nn.Module,
+                               optim_wrapper: Optional[AnyOptimWrapper], extra: Dict[str, Any],
+                               wait_s: float, extra_shards: Optional[Dict[str, Any]] = None,
+                               token: str = '', clean_tokens: Sequence[str] = ()
+                               ) -> BackgroundWrite:
+    """:func:`save_sharded`, returning once the shards are staged (copied to this rank's CPU).
+
+    DCP's ``async_save`` writes them to ``<token>-NAME.tmp/`` in a thread,
+    coordinating on :func:`~.background.writer_group`; rank 0 then writes
+    :data:`META_FILE`. Nothing is renamed: the caller publishes the returned
+    write (:meth:`~.background.BackgroundWrite.publish`). Collective.
+    """
+    tmp = _clear_temporary(path, token)
+    shards, param_groups = sharded_state(model, optim_wrapper)
+    shards.update(extra_shards or {})
+    meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
+    with _single_process_is_intended():
+        upload = dcp.async_save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner(),
+                                process_group=writer_group(wait_s), async_stager=ShardStager())
+    return BackgroundWrite(path, tmp, token, clean_tokens, wait_s,
+                           write_meta_after(upload, meta, tmp, META_FILE))
+
+
+def _clear_temporary(path: str, token: str) -> str:
+    """Check that the ranks share ``path``'s directory; remove a leftover temporary; its name."""
+    check_shared_directory(os.path.dirname(os.path.abspath(path)), token)
+    tmp = temporary_path(path, token)
+    with fail_together(f'clearing {tmp}'):
+        if is_main_process() and os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return tmp
+
+
+def _with_param_groups(extra: Dict[str, Any], param_groups: Any) -> Dict[str, Any]:
+    return extra if param_groups is None else dict(extra, optimizer_param_groups=param_groups)
 
 
 def _rank0_replicas_planner() -> DefaultSavePlanner:
