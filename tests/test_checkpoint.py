@@ -212,7 +212,8 @@ def test_consolidate_help_names_the_command_to_type(capsys):
     with pytest.raises(SystemExit) as exited:
         main(['--help'])
     assert exited.value.code == 0
-    assert capsys.readouterr().out.startswith('usage: python -m mmfsdp.consolidate [-h] src dst')
+    assert capsys.readouterr().out.startswith(
+        'usage: python -m mmfsdp.consolidate [-h] [--allow-unsafe-checkpoints] src dst')
 
 
 def test_consolidation_refuses_a_missing_output_directory_like_cp(root, tmp_path):
