@@ -33,8 +33,7 @@ from typing import List
 
 import pytest
 import torch
-
-from harness import REPO, free_port, job_env, run_job
+from zoo_jobs import checkpoint_weights, run_tool, torchrun, write_config
 
 pytestmark = pytest.mark.zoo
 
@@ -56,7 +55,6 @@ def _import_zoo():
 
 TOOLS = _import_zoo()
 TOL = 2e-5
-JOB_TIMEOUT_S = 900
 IMAGES_PER_CLASS, SIZE, GLOBAL_BATCH = 16, 32, 8
 TOP1 = re.compile(r'accuracy/top1: ([0-9.]+)')
 
@@ -142,35 +140,14 @@ def _mmfsdp_additions(wrapper: str, layer_cls: List[str]) -> str:
             "env_cfg = dict(dist_cfg=dict(backend='gloo'))\n")
 
 
-#: The stock tools are not mmfsdp's: mmengine 0.10.7 reads its own checkpoints (``HistoryBuffer``
-#: in ``message_hub``) only with torch's pre-2.6 unrestricted ``torch.load``. Set for the stock
-#: reference only; mmfsdp's jobs run without it, so its own loading is tested as shipped.
-STOCK_LOAD = 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'
 
 
-def _run(cmd: List[str], stock: bool = False) -> str:
-    """Run ``cmd`` from the repository root, mmfsdp importable; its output, or fail."""
-    env = (job_env(REPO, **{STOCK_LOAD: '1'}) if stock
-           else job_env(REPO, unset=(STOCK_LOAD, )))
-    return run_job(cmd, env=env, timeout=JOB_TIMEOUT_S)
 
 
-def _write_config(tmp_path_factory, text: str) -> Path:
-    """``text`` as a config file outside the work dir (the Runner dumps its config there)."""
-    path = tmp_path_factory.mktemp('cfg') / 'cfg.py'
-    path.write_text(text)
-    return path
 
 
-def _torchrun(script: str, *args: str) -> List[str]:
-    return [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
-            '--master_port', str(free_port()), str(TOOLS / script), *args,
-            '--launcher', 'pytorch']
 
 
-def _weights(path: Path) -> dict:
-    state = torch.load(path, map_location='cpu', weights_only=False)['state_dict']
-    return {k: v.float() for k, v in state.items() if v.is_floating_point()}
 
 
 @pytest.fixture(scope='module')
@@ -189,13 +166,13 @@ def stock(data_root, tmp_path_factory):
         if model not in cache:
             model_cfg, _, optimizer = MODELS[model]
             work = tmp_path_factory.mktemp(f'stock-{model}')
-            cfg = _write_config(tmp_path_factory,
+            cfg = write_config(tmp_path_factory,
                                 _config(data_root, model_cfg, optimizer, GLOBAL_BATCH))
-            _run([sys.executable, str(TOOLS / 'train.py'), str(cfg), '--work-dir', str(work)],
+            run_tool([sys.executable, str(TOOLS / 'train.py'), str(cfg), '--work-dir', str(work)],
                  stock=True)
-            out = _run([sys.executable, str(TOOLS / 'test.py'), str(cfg),
+            out = run_tool([sys.executable, str(TOOLS / 'test.py'), str(cfg),
                         str(work / 'epoch_2.pth'), '--work-dir', str(work / 'test')], stock=True)
-            cache[model] = dict(weights=_weights(work / 'epoch_2.pth'),
+            cache[model] = dict(weights=checkpoint_weights(work / 'epoch_2.pth'),
                                 top1=float(TOP1.findall(out)[-1]))
         return cache[model]
 
@@ -207,14 +184,14 @@ def stock(data_root, tmp_path_factory):
 def test_mmpretrain_tools_equal_one_process(model, wrapper, data_root, stock, tmp_path,
                                             tmp_path_factory):
     model_cfg, layer_cls, optimizer = MODELS[model]
-    cfg = _write_config(tmp_path_factory,
+    cfg = write_config(tmp_path_factory,
                         _config(data_root, model_cfg, optimizer, GLOBAL_BATCH // 2)
                         + _mmfsdp_additions(WRAPPERS[wrapper], layer_cls))
-    _run(_torchrun('train.py', str(cfg), '--work-dir', str(tmp_path)))
-    out = _run(_torchrun('test.py', str(cfg), str(tmp_path / 'epoch_2.pth'),
+    run_tool(torchrun(TOOLS / 'train.py', str(cfg), '--work-dir', str(tmp_path)))
+    out = run_tool(torchrun(TOOLS / 'test.py', str(cfg), str(tmp_path / 'epoch_2.pth'),
                          '--work-dir', str(tmp_path / 'test')))
     ref = stock(model)
-    got = _weights(tmp_path / 'epoch_2.pth')
+    got = checkpoint_weights(tmp_path / 'epoch_2.pth')
     assert sorted(got) == sorted(ref['weights'])
     diff = max((got[k] - ref['weights'][k]).abs().max().item() for k in got)
     print(f'{model}/{wrapper}: max abs diff {diff:.2e}, top1 {TOP1.findall(out)[-1]}'

@@ -32,12 +32,10 @@ with the reason, otherwise. Marked ``zoo``: select it with ``-m zoo``.
 import re
 import sys
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
-
-from harness import REPO, free_port, job_env, run_job
+from zoo_jobs import checkpoint_weights, run_tool, torchrun, write_config
 
 pytestmark = pytest.mark.zoo
 
@@ -64,7 +62,6 @@ TOOLS = _import_zoo()
 # step 1 and parted at step 3, where a ulp-level difference changed the gradient of one
 # BatchNorm bias of the last stage discretely, and momentum carried that on.
 TOL = 2e-5
-JOB_TIMEOUT_S = 900
 TRAIN_IMAGES, VAL_IMAGES, SIZE, GLOBAL_BATCH, ITERS = 8, 4, 64, 4, 6
 MIOU = re.compile(r'mIoU: ([0-9.]+)')
 CHECKPOINT = f'iter_{ITERS}.pth'
@@ -79,10 +76,6 @@ MODEL = dict(
     decode_head=dict(num_classes=2, dropout_ratio=0.0, norm_cfg=GN),
     auxiliary_head=dict(num_classes=2, dropout_ratio=0.0, norm_cfg=GN))
 WRAPPERS = dict(fsdp2='mmfsdp.MMFullyShard', ddp='mmfsdp.MMDistributedDataParallel')
-#: The stock tools are not mmfsdp's: mmengine 0.10.7 reads its own checkpoints (``HistoryBuffer``
-#: in ``message_hub``) only with torch's pre-2.6 unrestricted ``torch.load``. Set for the stock
-#: runs only; mmfsdp's jobs, and mmseg's test.py reading mmfsdp's checkpoint, run without it.
-STOCK_LOAD = 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'
 
 
 def _write_data(root: Path) -> None:
@@ -148,23 +141,10 @@ def _mmfsdp_additions(wrapper: str) -> str:
             "env_cfg = dict(dist_cfg=dict(backend='gloo'))\n")
 
 
-def _run(cmd: List[str], stock: bool = False) -> str:
-    """Run ``cmd`` from the repository root, mmfsdp importable; its output, or fail."""
-    env = (job_env(REPO, **{STOCK_LOAD: '1'}) if stock
-           else job_env(REPO, unset=(STOCK_LOAD, )))
-    return run_job(cmd, env=env, timeout=JOB_TIMEOUT_S)
 
 
-def _write_config(tmp_path_factory, text: str) -> Path:
-    """``text`` as a config file outside the work dir (the Runner dumps its config there)."""
-    path = tmp_path_factory.mktemp('cfg') / 'cfg.py'
-    path.write_text(text)
-    return path
 
 
-def _weights(path: Path) -> dict:
-    state = torch.load(path, map_location='cpu', weights_only=False)['state_dict']
-    return {k: v.float() for k, v in state.items() if v.is_floating_point()}
 
 
 @pytest.fixture(scope='module')
@@ -178,10 +158,10 @@ def data_root(tmp_path_factory) -> Path:
 def stock(data_root, tmp_path_factory) -> dict:
     """mmseg's tools/train.py on one process, no mmfsdp: its config, weights and final mIoU."""
     work = tmp_path_factory.mktemp('stock')
-    cfg = _write_config(tmp_path_factory, _config(data_root, GLOBAL_BATCH))
-    out = _run([sys.executable, str(TOOLS / 'train.py'), str(cfg), '--work-dir', str(work)],
+    cfg = write_config(tmp_path_factory, _config(data_root, GLOBAL_BATCH))
+    out = run_tool([sys.executable, str(TOOLS / 'train.py'), str(cfg), '--work-dir', str(work)],
                stock=True)
-    return dict(config=cfg, weights=_weights(work / CHECKPOINT),
+    return dict(config=cfg, weights=checkpoint_weights(work / CHECKPOINT),
                 miou=float(MIOU.findall(out)[-1]))
 
 
@@ -193,14 +173,12 @@ def trained(data_root, tmp_path_factory):
     def run(wrapper: str) -> dict:
         if wrapper not in cache:
             work = tmp_path_factory.mktemp(wrapper)
-            cfg = _write_config(tmp_path_factory,
+            cfg = write_config(tmp_path_factory,
                                 _config(data_root, GLOBAL_BATCH // 2)
                                 + _mmfsdp_additions(WRAPPERS[wrapper]))
-            out = _run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
-                        '--master_port', str(free_port()), str(TOOLS / 'train.py'), str(cfg),
-                        '--work-dir', str(work), '--launcher', 'pytorch'])
+            out = run_tool(torchrun(TOOLS / 'train.py', str(cfg), '--work-dir', str(work)))
             cache[wrapper] = dict(checkpoint=work / CHECKPOINT,
-                                  weights=_weights(work / CHECKPOINT),
+                                  weights=checkpoint_weights(work / CHECKPOINT),
                                   miou=float(MIOU.findall(out)[-1]))
         return cache[wrapper]
 
@@ -227,6 +205,6 @@ def test_mmseg_fcn_val_miou_equal_one_process(wrapper, trained, stock):
 def test_mmseg_test_py_reads_mmfsdp_checkpoint(trained, stock, tmp_path):
     """mmseg's own test.py (stock Runner, one process) loads FSDP2's full checkpoint with
     torch's default ``weights_only`` loader, and evaluates it to the one-process mIoU."""
-    out = _run([sys.executable, str(TOOLS / 'test.py'), str(stock['config']),
+    out = run_tool([sys.executable, str(TOOLS / 'test.py'), str(stock['config']),
                 str(trained('fsdp2')['checkpoint']), '--work-dir', str(tmp_path)])
     assert float(MIOU.findall(out)[-1]) == stock['miou']
