@@ -82,6 +82,11 @@ def _op(name: str) -> Optional[Any]:
         return None
 
 
+def _one_or_many(value: Any) -> Tuple[Any, ...]:
+    """A class or name given alone, or a list of them, as a tuple."""
+    return (value, ) if isinstance(value, (str, type)) else tuple(value)
+
+
 @dataclass(frozen=True)
 class ActivationCheckpointing:
     """``activation_checkpointing``, resolved (see the module docstring).
@@ -146,15 +151,14 @@ def resolve_activation_checkpointing(value: Any) -> Optional[ActivationCheckpoin
         return ActivationCheckpointing(mode=mode, memory_budget=float(budget))
     if not cfg.get('layer_cls'):
         raise TypeError(f"{AC_KEY}: missing 'layer_cls', the layer classes to checkpoint")
-    layer_cls = cfg['layer_cls']
-    layer_cls = (layer_cls, ) if isinstance(layer_cls, (str, type)) else tuple(layer_cls)
+    layer_cls = _one_or_many(cfg['layer_cls'])
     save_ops: Tuple[str, ...] = ()
     if mode == 'selective':
         given = cfg.get('save_ops')
         if given is None:
             save_ops = tuple(name for name in DEFAULT_SAVE_OPS if _op(name) is not None)
         else:
-            save_ops = (given, ) if isinstance(given, str) else tuple(given)
+            save_ops = _one_or_many(given)
             unknown = [name for name in save_ops if not isinstance(name, str) or _op(name) is None]
             if unknown or not save_ops:
                 raise ValueError(f'{AC_KEY}.save_ops: {unknown[0] if unknown else given!r} is '
@@ -187,8 +191,7 @@ def resolve_regional_compile(value: Any) -> Optional[RegionalCompile]:
                       "None or dict(layer_cls=[...], **torch.compile's keyword arguments)")
     if not cfg.get('layer_cls'):
         raise TypeError(f"{COMPILE_KEY}: missing 'layer_cls', the layer classes to compile")
-    layer_cls = cfg['layer_cls']
-    layer_cls = (layer_cls, ) if isinstance(layer_cls, (str, type)) else tuple(layer_cls)
+    layer_cls = _one_or_many(cfg['layer_cls'])
     # One static graph per layer shape: torch 2.13's automatic dynamic shapes, which a
     # second shape of a compiled layer turns on, fail inside inductor under FSDP2 (ResNet
     # stages; docs/benchmarks.md); dynamic=None / True asks for them.
