@@ -241,8 +241,10 @@ def test_fit_memory_lists_what_fits_cheapest_first(capsys, monkeypatch):
     assert {bool(r['activation_checkpointing']) for r in rows} == {False, True}
     assert all(r['fits'] == (r['peak_bytes'] <= 2**30) for r in rows)
     assert [r['world_size'] for r in rows] == sorted(r['world_size'] for r in rows)
-    # every world size and strategy, checkpointing on and off (DDP: off only)
-    assert len(rows) == 3 * 9
+    # every world size and strategy, checkpointing on and off (DDP takes it too)
+    assert len(rows) == 3 * 10
+    assert {bool(r['activation_checkpointing']) for r in rows if r['strategy'] == 'DDP'} == {
+        False, True}
     text = _cli(capsys, '--world-size', '2', '8', '--fit-memory', '20MiB')
     assert 'smallest that fits: 2 ranks' in text or 'smallest that fits: 8 ranks' in text
     assert 'nothing fits' in _cli(capsys, '--world-size', '2', '--fit-memory', '1MiB')
@@ -439,7 +441,7 @@ def test_fit_memory_on_a_vision_config(tmp_path, capsys):
     assert not any(r['activation_checkpointing'] for r in rows)  # no units, no layer named
     text = _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB').out
     assert 'activation checkpointing not tried' in text
-    # a DDP config (no units) asks for layers to checkpoint: the FSDP candidates try them
+    # a DDP config (no units) asks for layers to checkpoint: every candidate tries them
     rows = json.loads(_plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB',
                             '--format', 'json', '--activation-checkpointing', 'Sequential',
                             '--cfg-options', 'model_wrapper_cfg.type='

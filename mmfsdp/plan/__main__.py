@@ -145,11 +145,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     # would update its running statistics twice)
     units = [u for u in spec.units if u not in spec.fp32_units]
     checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)
-    if args.activation_checkpointing and budget is None:  # --fit-memory tries FSDP too
-        if checkpoint and 'DistributedDataParallel' in wrapper_cls.__name__:
-            raise ValueError(f'--activation-checkpointing: {wrapper_cfg["type"]} has no '
-                             'activation_checkpointing option; use an FSDP wrapper, or '
-                             '--fit-memory to compare them')
+    if args.activation_checkpointing and budget is None:  # --fit-memory tries them all
         wrapper_cfg['activation_checkpointing'] = (dict(layer_cls=checkpoint) if checkpoint
                                                    else None)
     plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema,

@@ -70,13 +70,9 @@ def candidates(wrapper_cfg: Mapping[str, Any], model: nn.Module,
     out = []
     for label, kind, options in STRATEGIES:
         for checkpointing in (False, True):
-            if kind == DDP:
-                if not checkpointing:  # DDP has no activation_checkpointing option
-                    out.append((label, dict(type=kind), False))
-                continue
             if checkpointing and not checkpoint_layer_cls:
                 continue
-            cfg = dict(type=kind, **common, **options)
+            cfg = dict(type=kind) if kind == DDP else dict(type=kind, **common, **options)
             if checkpointing:
                 cfg['activation_checkpointing'] = dict(layer_cls=list(checkpoint_layer_cls))
             out.append((label, cfg, checkpointing))
