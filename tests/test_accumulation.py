@@ -54,7 +54,8 @@ RESUMED = {'fsdp1/sharded/fp32': 'resumed/fsdp1', 'fsdp2/sharded/fp32': 'resumed
 
 
 class _MicroStepProbe(Hook):
-    """Per iteration: bytes reduce-scattered / all-gathered, and parameters left gathered."""
+    """Per iteration: bytes reduce-scattered / all-gathered / all-reduced across replicas
+    (a hybrid mesh's ``replicate`` groups), and parameters left gathered."""
 
     def __init__(self, counter) -> None:
         self.counter = counter
@@ -65,11 +66,17 @@ class _MicroStepProbe(Hook):
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         from torch.distributed.tensor import DTensor
-        ops = self.counter.snapshot()['by_op']
+        counted = self.counter.snapshot()
+        ops = counted['by_op']
+        mesh = getattr(runner.model, 'mesh', None)
+        replicas = (mesh['replicate'].get_group().group_name
+                    if mesh is not None and 'replicate' in (mesh.mesh_dim_names or ()) else None)
         self.records.append(dict(
             reduce_scatter=sum(v['payload_bytes'] for k, v in ops.items() if 'reduce_scatter' in k),
             all_gather=sum(v['payload_bytes'] for k, v in ops.items()
                            if 'allgather' in k or 'all_gather' in k),
+            across_replicas=sum(v for (op, group), v in counted['by_group'].items()
+                                if group == replicas and 'allreduce' in op),
             # FSDP2 registers plain (unsharded) tensors while a unit is gathered
             gathered=sum(not isinstance(p, DTensor) for p in runner.model.parameters())))
 
@@ -206,23 +213,6 @@ def _hybrid_config(name: str, work_dir: str, mode: str, **extra) -> Config:
     return Config(cfg)
 
 
-class _ReplicaProbe(Hook):
-    """Per iteration: bytes all-reduced across replicas (the mesh's ``replicate`` groups)."""
-
-    def __init__(self, counter) -> None:
-        self.counter = counter
-        self.all_reduced = []
-
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        self.counter.reset()
-
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        replicas = runner.model.mesh['replicate'].get_group().group_name
-        by_group = self.counter.snapshot()['by_group']
-        self.all_reduced.append(sum(v for (op, group), v in by_group.items()
-                                    if group == replicas and 'allreduce' in op))
-
-
 def _train_hybrid(root: str) -> dict:
     import mmfsdp  # noqa: F401
     from benchmarks.comm import CollectiveCounter
@@ -233,10 +223,11 @@ def _train_hybrid(root: str) -> dict:
             cfg = _hybrid_config(f'hsdp-{mode}', f'{root}/{mode}', mode)
             cfg.default_hooks.checkpoint = dict(type='CheckpointHook', interval=4, by_epoch=False)
             runner = FSDPRunner.from_cfg(cfg)
-            probe = _ReplicaProbe(counter)
+            probe = _MicroStepProbe(counter)
             runner.register_hook(probe, priority='VERY_LOW')
             runner.train()
-            out[mode] = dict(state=_full_state(runner.model), all_reduced=probe.all_reduced)
+            out[mode] = dict(state=_full_state(runner.model),
+                             all_reduced=[r['across_replicas'] for r in probe.records])
         cfg = _hybrid_config('hsdp-resumed', f'{root}/resumed', 'hybrid',
                              load_from=f'{root}/hybrid/iter_4.pth', resume=True)
         runner = FSDPRunner.from_cfg(cfg)
