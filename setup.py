@@ -44,7 +44,7 @@ setup(
     # transformers: the third-party zoo of tests/test_hf_zoo.py (needs no torch extra)
     # benchmarks: plots, and the peers of `python -m benchmarks.peers` (accelerate, Lightning
     # Fabric); pinned to the versions measured in docs/benchmarks.md
-    extras_require={'tests': ['pytest', 'ruff', 'transformers==5.23.0'],
+    extras_require={'tests': ['pytest', 'pytest-timeout', 'ruff', 'transformers==5.23.0'],
                     'benchmarks': ['matplotlib==3.11.2', 'accelerate==1.15.0',
                                    'lightning==2.6.6']},
     license='Apache-2.0',

@@ -96,7 +96,7 @@ def _config(name: str, work_dir: str, wrapper: dict, optim: dict, **extra) -> Co
 
 def _train_all(root: str, prefix: str) -> dict:
     import mmfsdp  # noqa: F401  (registers the 'mmfsdp.' names)
-    from benchmarks.comm import CollectiveCounter
+    from collectives import CollectiveCounter
     from mmfsdp import FSDPRunner
     out = {}
     with CollectiveCounter() as counter:
@@ -215,7 +215,7 @@ def _hybrid_config(name: str, work_dir: str, mode: str, **extra) -> Config:
 
 def _train_hybrid(root: str) -> dict:
     import mmfsdp  # noqa: F401
-    from benchmarks.comm import CollectiveCounter
+    from collectives import CollectiveCounter
     from mmfsdp import FSDPRunner
     out = {}
     with CollectiveCounter() as counter:
@@ -292,34 +292,6 @@ def test_accumulation_option_is_resolved_and_defaults_to_sharded(kind):
         config.from_dict(dict(accumulation='shard'))
     with pytest.raises(TypeError, match=r'model_wrapper_cfg\.accumulation: expected'):
         config.from_dict(dict(accumulation=True))
-
-
-def test_benchmark_theory_is_k_minus_1_extra_reduce_scatters():
-    from benchmarks.accumulation import comm_factor, plan_cases
-    for n in (2, 4):
-        for k in (1, 2, 4):
-            extra = comm_factor('sharded', k, n) - comm_factor('unsharded', k, n)
-            assert extra == pytest.approx((k - 1) * (n - 1) / n)
-    cases = plan_cases('gpt-100m', ['fsdp1', 'fsdp2'], [2, 4], [1, 2, 4], 2, 64, 0, 1)
-    assert len(cases) == 2 * 2 * 5  # k = 1 once, k = 2 and 4 in both modes
-
-
-def test_benchmark_compares_checkpointed_cases_with_their_own_k1():
-    """With activation checkpointing, k > 1 is measured against k = 1 under checkpointing too."""
-    from benchmarks.accumulation import plan_cases, table
-    cases = plan_cases('gpt-100m', ['fsdp1'], [2], [1, 4], 2, 64, 0, 1, ac=True)
-    assert all(c['ac'] and '/ac/' in c['name'] for c in cases)
-
-    def result(ac, k, mode, peak):
-        peaks = dict(median=peak, min=peak, max=peak, n=1)
-        return dict(wrapper='fsdp1', ac=ac, world_size=2, warmup=1, steps=1, counts=k,
-                    mode=mode, params=1 << 20, peak_bytes=peaks,
-                    comm_send_bytes=dict(median=1.0), theory_comm_bytes=1.0)
-
-    rows = table([result(False, 1, 'sharded', 100 << 20), result(True, 1, 'sharded', 50 << 20),
-                  result(True, 4, 'sharded', 52 << 20)]).splitlines()
-    checkpointed = [r for r in rows if r.startswith('| fsdp1 + AC | 2 |')]
-    assert len(checkpointed) == 2 and '| 1.040 |' in checkpointed[-1]
 
 
 @pytest.mark.parametrize('kind', [FSDP1, FSDP2])

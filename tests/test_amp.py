@@ -1,9 +1,9 @@
 """fp16 AMP on CPU with a shard-aware loss scaler; its state survives a resume."""
-import contract_models  # noqa: F401  (registers the models)
 import pytest
 import torch
 from mmengine.config import Config
 
+import contract_models  # noqa: F401  (registers the models)
 from harness import DIST_CFG, run_distributed
 from toy import DDP, FSDP1, ToyClassifier, runner_config
 

@@ -25,7 +25,6 @@ import glob
 import os
 from typing import Any, Dict, List, Optional
 
-import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 import pytest
 import torch
 from mmengine.config import Config
@@ -34,6 +33,7 @@ from mmengine.registry import HOOKS, MODELS
 from mmengine.runner import Runner
 from torch import nn
 
+import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 from harness import max_abs_diff, raised, run_distributed, scalar_history
 from mmfsdp.runner import is_mmengine_default_env
 from toy import (

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import REPO, free_port, job_env, run_job
+from harness import REPO, SUPPORT, free_port, job_env, run_job
 
 CHOOSER = os.path.join(REPO, 'tools', 'cpu_allocator.sh')
 #: Allocator variables of the test run that a job must not inherit.
@@ -79,7 +79,7 @@ def _worker_memory(tmp_path, allocator):
         "custom_imports = dict(imports=['data_worker_probe'], allow_failed_imports=False)",
         f"custom_hooks = [dict(type='DataWorkerMemoryHook', out_file={str(out)!r}, "
         f'at_iter={ITERS})]', '']))
-    env = job_env(REPO, os.path.join(REPO, 'tests'), unset=ALLOCATOR_VARS,
+    env = job_env(REPO, SUPPORT, unset=ALLOCATOR_VARS,
                   MMFSDP_CPU_ALLOCATOR=allocator, PORT=str(free_port()), PYTHON=sys.executable)
     run_job(['bash', 'tools/dist_train.sh', str(config), '1', '--work-dir',
              str(tmp_path / allocator)], env=env)

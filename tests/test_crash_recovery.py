@@ -16,7 +16,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from harness import REPO, job_env, max_abs_diff, run_distributed, run_job
+from harness import REPO, SUPPORT, job_env, max_abs_diff, run_distributed, run_job
 from mmfsdp.checkpoint import is_sharded_checkpoint
 from toy import FSDP1, runner_config
 
@@ -146,14 +146,13 @@ def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, run):
 
 
 def _elastic_job(tmp_path, kill_at: int, mode: str = 'step') -> dict:
-    """Run tests/elastic_job.py under ``torchrun --max-restarts 1``; its final state."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """Run tests/support/elastic_job.py under ``torchrun --max-restarts 1``; its final state."""
     out = tmp_path / f'final-{kill_at}-{mode}.pth'
     run_job([sys.executable, '-m', 'torch.distributed.run', '--standalone',
              '--nproc-per-node', '2', '--max-restarts', '1',
-             os.path.join(here, 'elastic_job.py'), str(tmp_path / f'work-{mode}'),
+             str(SUPPORT / 'elastic_job.py'), str(tmp_path / f'work-{mode}'),
              str(out), str(kill_at), mode],
-            env=job_env(REPO, here), timeout=300)
+            env=job_env(REPO, SUPPORT), timeout=300)
     return torch.load(out)
 
 

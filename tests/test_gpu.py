@@ -30,10 +30,9 @@ from mmengine.config import Config
 from mmengine.registry import MODELS
 from mmengine.runner import Runner
 
-from harness import DIST_CFG, run_distributed
+from harness import DIST_CFG, REPO, run_distributed
 from toy import IN_DIM, ToyClassifier, runner_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(),

@@ -1,4 +1,4 @@
-"""Job control for launched jobs (benchmarks/job.py): no process of a job outlives it.
+"""Job control for launched jobs (tests/support/job.py): no process of a job outlives it.
 
 A launcher such as torchrun starts its workers in sessions of their own; the
 launchers here do the same with a process that would run for ten minutes.
@@ -6,8 +6,8 @@ launchers here do the same with a process that would run for ten minutes.
 import os
 import sys
 
-from benchmarks.job import Job, marked_processes
-from harness import REPO
+from harness import REPO, SUPPORT
+from job import Job, marked_processes
 
 LAUNCHER = ('import subprocess, sys\n'
             'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],'
@@ -51,7 +51,7 @@ def test_a_job_that_ends_cleanly_leaves_nothing_and_keeps_its_output():
 
 
 def test_a_job_past_its_deadline_first_writes_where_its_workers_are():
-    worker = ('from benchmarks.job import dump_stacks_on_signal\n'
+    worker = ('from job import dump_stacks_on_signal\n'
               'dump_stacks_on_signal()\n'
               'def waiting_for_a_peer():\n'
               '    import time; time.sleep(600)\n'
@@ -59,7 +59,7 @@ def test_a_job_past_its_deadline_first_writes_where_its_workers_are():
               'waiting_for_a_peer()\n')
     launcher = ('import subprocess, sys\n'
                 f'subprocess.run([sys.executable, "-c", {worker!r}])\n')
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(SUPPORT))
     with Job([[sys.executable, '-c', launcher]], env, str(REPO)) as job:
         assert not job.wait(timeout=15)  # ample for the worker to start and register
         assert 'ready' in job.stdout()

@@ -13,7 +13,8 @@ import pytest
 from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
+
 CLASSIC = REPO / 'configs'
 PYTHON_STYLE = CLASSIC / 'py'
 #: Keys whose strings name a registered class or function.

@@ -18,8 +18,8 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from benchmarks.job import Job
 from harness import REPO, free_port, job_env
+from job import Job
 
 HSDP_CONFIG = REPO / 'configs' / 'gpt-nano_hsdp_2x2cpu.py'
 NODES, PROCS_PER_NODE, BATCH_PER_RANK, ITERS = 2, 2, 4, 4

@@ -16,11 +16,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
+
 MIM = REPO / 'mmfsdp' / '.mim'
 #: What setup.py needs to build a wheel, copied to keep the working tree clean.
 SOURCE_ITEMS = ['setup.py', 'README.md', 'requirements.txt', 'MANIFEST.in', 'mmfsdp', 'configs',

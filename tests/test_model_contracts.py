@@ -8,12 +8,12 @@ import copy
 import os
 from typing import Optional
 
-import contract_models  # noqa: F401  (registers the models)
 import pytest
 import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
+import contract_models  # noqa: F401  (registers the models)
 from harness import max_abs_diff, run_distributed, scalar_history
 from toy import DDP, WRAPPERS, runner_config, train_one_process
 

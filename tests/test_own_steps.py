@@ -20,13 +20,13 @@ import warnings
 
 import pytest
 import torch
-from contract_models import ToyGAN
 from mmengine.config import Config
 from mmengine.model import MMDistributedDataParallel as MMEngineDDP
 from mmengine.model import MMSeparateDistributedDataParallel
 from mmengine.registry import MODELS
 from torch import nn
 
+from contract_models import ToyGAN
 from harness import raised, run_distributed
 from toy import ToyClassifier, runner_config
 

@@ -11,12 +11,11 @@ from mmengine.config import Config
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness import run_distributed
+from harness import REPO, run_distributed
 from mmfsdp.plan import Padding, format_plan, plan_for, plan_to_dict
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 from toy import ToyClassifier, runner_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 ADAMW = dict(type='AdamW', lr=1e-2)

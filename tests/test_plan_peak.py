@@ -14,13 +14,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
+from harness import REPO, SUPPORT
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
 from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
 BLOCKS = dict(type='transformer', layer_cls=['TransformerBlock'])
 FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
@@ -361,7 +361,8 @@ def test_the_plan_of_a_vision_config_has_its_step_and_top_level_preprocessor(tmp
         f'model_wrapper_cfg = {FSDP2_BF16!r}\n'
         "optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(REPO, 'tests'), REPO, os.environ.get('PYTHONPATH', '')]))
+        [os.path.dirname(os.path.abspath(__file__)), str(SUPPORT), str(REPO),
+         os.environ.get('PYTHONPATH', '')]))
     out = subprocess.run([sys.executable, '-m', 'mmfsdp.plan', str(config), '--world-size',
                           '2', '--format', 'json'], cwd=REPO, env=env, check=True,
                          capture_output=True, text=True, timeout=300).stdout

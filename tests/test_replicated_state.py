@@ -15,12 +15,12 @@ reads the full files and consolidates the sharded directories.
 import functools
 import os
 
-import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 import pytest
 import torch
 from mmengine.registry import MODELS
 from torch import nn
 
+import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 from harness import max_abs_diff, run_distributed
 from toy import FSDP1, FSDP2, IN_DIM, ToyClassifier, checkpointing_config
 

@@ -2,5 +2,5 @@
 import sys
 from pathlib import Path
 
-# harness.py and the shared job runner live one level up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# harness.py and the shared job runner, for a run that does not read pyproject.toml.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'support'))

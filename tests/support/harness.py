@@ -30,15 +30,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import pytest
 import torch
 
-from benchmarks.job import Job
+from job import Job
 from mmfsdp.dist import shutdown_distributed
 
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO',
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO', 'SUPPORT',
            'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
            'scalar_history']
 
 #: The repository root: the working directory of the documented launch commands.
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+#: This folder: what a job started by a test puts on its ``PYTHONPATH`` to import ``toy``.
+SUPPORT = Path(__file__).resolve().parent
 
 #: Every collective of a test process group fails after this many seconds.
 COLLECTIVE_TIMEOUT_S = 60
@@ -142,7 +144,7 @@ def run_job(cmd: Sequence[str], *, env: Optional[Dict[str, str]] = None,
 
     ``env`` defaults to :func:`job_env` ``()``. A job past ``timeout`` is
     killed with every process it started (torchrun's workers included, see
-    :class:`benchmarks.job.Job`) and the test fails with the output it had
+    :class:`job.Job`) and the test fails with the output it had
     written; so does a job whose launcher exits leaving processes running.
     With ``merge_stderr=False`` only stdout is returned (for a command whose
     stdout is parsed) and stderr is shown on failure.
