@@ -105,12 +105,12 @@ def test_forked_data_workers_pay_nothing_for_the_preloaded_allocator(tmp_path):
           f"{total(glibc, 'rss'):.1f}; PSS MiB: jemalloc {total(jemalloc, 'pss'):.1f}, glibc "
           f"{total(glibc, 'pss'):.1f}")
     # a worker's own pages move by about a MiB from run to run; a cache that a worker
-    # inherits and never drains costs it hundreds (issue 25: 1,182 vs 435 MiB in all)
+    # inherits and never drains costs it hundreds (1,182 vs 435 MiB in all, measured)
     assert mine <= theirs + max(0.10 * theirs, 4 << 20), (jemalloc, glibc)
 
 
 def test_on_the_cpu_the_runner_registers_the_stock_runners_hooks(tmp_path):
-    """No hook of mmfsdp's own for the allocator (issue 25, 6.5): the hooks of an FSDPRunner
+    """No hook of mmfsdp's own for the allocator: the hooks of an FSDPRunner
     training on the CPU are the stock Runner's, in the same order and priorities (its
     CheckpointHook is mmfsdp's subclass of the stock one)."""
     from mmengine.config import Config

@@ -1,4 +1,4 @@
-"""Drop-in where mmengine's own code reads checkpoints and resumes (issue 25, section 6).
+"""Drop-in where mmengine's own code reads checkpoints and resumes.
 
 In this process (no process group), each check set beside mmengine's stock
 Runner on the same config:
