@@ -213,6 +213,7 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
 
 # ---- shared parameters: one FSDP2 group each ---------------------------------------------
 
+#: The name that stands for the root unit (the whole model) in a :class:`Merge`.
 ROOT = '<root>'
 
 

@@ -24,13 +24,21 @@ def _child(name: str, location: str = 'mmfsdp') -> Registry:
     return Registry(parent.name, parent=parent, scope=SCOPE, locations=[location])
 
 
+#: Model wrappers: ``MMFullyShardedDataParallel`` (and its form for models with their own
+#: steps, ``MMSeparateFullyShardedDataParallel``), ``MMFullyShard``, ``MMDistributedDataParallel``.
 MODEL_WRAPPERS = _child('MODEL_WRAPPERS')
+#: Runners: ``FSDPRunner``.
 RUNNERS = _child('RUNNERS')
+#: Optim wrappers: ``AmpOptimWrapper``.
 OPTIM_WRAPPERS = _child('OPTIM_WRAPPERS')
+#: Hooks: ``CheckpointHook``, ``EMAHook``.
 HOOKS = _child('HOOKS')
 # The demo workload fills these; it is imported on the first lookup, not by ``import mmfsdp``.
+#: Models of the demo (``GPT``).
 MODELS = _child('MODELS', 'mmfsdp.demo')
+#: Datasets of the demo (``StdlibCharDataset``).
 DATASETS = _child('DATASETS', 'mmfsdp.demo')
+#: Metrics of the demo (``Perplexity``).
 METRICS = _child('METRICS', 'mmfsdp.demo')
 
 _CHILDREN = {
@@ -41,6 +49,8 @@ _CHILDREN = {
                  'LOG_PROCESSORS', 'INFERENCERS', 'FUNCTIONS')
 }
 
+#: Wrap policies of ``auto_wrap_policy=dict(type=...)``: ``transformer``, ``module_types``,
+#: ``size_based`` and your own (no mmengine parent).
 FSDP_WRAP_POLICIES = Registry('fsdp wrap policy', scope=SCOPE, locations=['mmfsdp'])
 
 

@@ -59,29 +59,14 @@ MMENGINE_DEFAULT_ENV_CFG = inspect.signature(Runner.__init__).parameters['env_cf
 class FSDPRunner(CheckpointMixin, RunnerSteps):
     """A drop-in mmengine ``Runner`` that trains sharded models to single-process numbers.
 
-    Same constructor, config keys and loops as ``Runner``; it changes only what
-    the stock Runner gets wrong under sharding:
-
-    - start-up on any device (gloo on CPU, NCCL on CUDA; :mod:`mmfsdp.dist`;
-      mmengine's default ``dist_cfg=dict(backend='nccl')`` counts as not
-      configured), and a clean exit;
-    - SyncBN configs on a host without an accelerator: SyncBN becomes
-      BatchNorm, logged (:meth:`build_model`);
-    - ``model_wrapper_cfg`` resolved once, checked on every rank before the
-      process group starts and against the model before the first collective,
-      with the ranks' agreement on what they shard (:mod:`mmfsdp.together`);
-    - the wrap waits until the optimizer is built on the unwrapped model and
-      the weights are initialised and broadcast as one process would
-      (:meth:`wrap_model`); the optimizer is then pointed at the wrapped
-      parameters and clips by the norm over all shards (:mod:`mmfsdp.optim`);
-    - checkpoints every rank takes part in, full or sharded, safe to load and
-      resumable at any world size (:mod:`mmfsdp.checkpoint`);
-    - meta init (``init_device='meta'``, :mod:`mmfsdp.meta_init`) and, for FSDP1
-      on an accelerator, a model staged on the CPU whose random initialisers
-      draw from the device's generator (:mod:`mmfsdp.device_draws`).
-
-    Without ``model_wrapper_cfg`` (or without its ``type``) a distributed run
-    uses ``mmfsdp.MMDistributedDataParallel``, which runs on CPU too.
+    Same constructor, config keys and loops as ``Runner``. It changes only what
+    the stock Runner gets wrong under sharding: start-up on any device (gloo on
+    CPU, NCCL on CUDA), the order of optimizer, weight init and wrapping,
+    clipping by the norm over all shards, checkpoints every rank takes part in,
+    meta init, and checks that fail on every rank before the first collective.
+    Without ``model_wrapper_cfg`` (or its ``type``) a distributed run uses
+    ``mmfsdp.MMDistributedDataParallel``. What each change fixes, and why: the
+    documentation's page "FSDPRunner: what it changes".
 
     Config::
 
