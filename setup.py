@@ -46,6 +46,9 @@ setup(
     # Fabric); pinned to the versions measured in docs/benchmarks.md
     extras_require={'tests': ['pytest', 'pytest-timeout', 'ruff', 'transformers==5.23.0'],
                     'benchmarks': ['matplotlib==3.11.2', 'accelerate==1.15.0',
-                                   'lightning==2.6.6']},
+                                   'lightning==2.6.6'],
+                    # docs: the documentation site (python -m sphinx -W -b html docs
+                    # docs/_build/html); Sphinx 9 needs Python >= 3.11
+                    'docs': ['sphinx==9.0.4', 'myst-parser==5.2.0', 'furo==2025.12.19']},
     license='Apache-2.0',
 )
