@@ -43,6 +43,17 @@ def _cast_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
 class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
     """mmengine's ``AmpOptimWrapper`` (same arguments), on CPU and accelerators.
 
+    mmengine's asserts CUDA, and its scaler checks only the local gradients, so
+    under FSDP1 ranks could disagree on skipping a step. Here autocast follows
+    the device, and once the model is wrapped the scaler sees every rank's
+    shard (FSDP1: torch's ``ShardedGradScaler``). ``FSDPRunner`` also builds it
+    in place of mmengine's when ``tools/train.py --amp`` asks for that one.
+
+    Config::
+
+        optim_wrapper = dict(type='mmfsdp.AmpOptimWrapper', dtype='bfloat16',
+                             optimizer=dict(type='AdamW', lr=1e-4))
+
     Args:
         loss_scale: ``'dynamic'``, a fixed scale, or a dict of ``GradScaler`` arguments.
         dtype: Autocast dtype: mmengine's names (default ``'float16'``), mmfsdp's

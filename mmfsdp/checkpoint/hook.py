@@ -84,7 +84,19 @@ def _wait_for_checkpoint(runner: Any) -> None:
 
 @HOOKS.register_module()
 class CheckpointHook(CheckpointHookSteps):
-    """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete."""
+    """mmengine's ``CheckpointHook``, crash-safe: save, then repoint, then delete.
+
+    ``FSDPRunner`` runs a config's stock ``CheckpointHook`` as this one. Every
+    rank takes part in a save; ``state_dict_type`` picks one gathered file or a
+    sharded directory; the checkpoint ``max_keep_ckpts`` expires is deleted
+    only once the new one is complete and ``last_checkpoint`` points at it.
+
+    Config::
+
+        default_hooks = dict(checkpoint=dict(
+            type='CheckpointHook', interval=1000, max_keep_ckpts=3,
+            state_dict_type='sharded', async_save=False, save_timeout=3600))
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The stock options; the extra ones are checked here, at start-up, on every rank.
