@@ -2,30 +2,22 @@
 
 A ViT and a ResNet-50-style model (bottleneck blocks [3, 4, 6, 3]), fp32, trained
 by ``FSDPRunner`` under FSDP2 (one unit per block) on 2 CPU ranks (gloo), one
-torchrun job per case:
+torchrun job per case, each with an empty inductor cache (every compile is cold):
 
-- **step time**: eager, whole-step compile (mmengine's ``compile=True``) and
-  regional compile (``regional_compile=dict(layer_cls=[block])``, inductor). The
-  steady step is the median over the measured iterations (the slowest rank per
-  iteration); the compile time is what the warm-up iterations took beyond as many
-  steady steps. Each job gets an empty inductor cache, so every compile is cold.
+- **step time**: eager, whole-step compile (mmengine's ``compile=True``) and regional
+  compile (``regional_compile=dict(layer_cls=[block])``). The steady step is the median
+  over the measured iterations (the slowest rank per iteration); the compile time is
+  what the warm-up iterations took beyond as many steady steps.
 - **peak per rank**: no / full / selective checkpointing of the blocks (eager), and
-  regional compile without and with ``mode='memory_budget'``, measured as
-  :mod:`benchmarks.memory` measures: the resident set's high-water mark of an
-  iteration above the resident set before the model was built (after one step of a
-  tiny model of the same classes), glibc with the 1 MiB mmap threshold.
+  regional compile without and with ``mode='memory_budget'``: the resident set's
+  high-water mark of an iteration above the resident set before the model was built
+  (after one step of a tiny model of the same classes), glibc with the 1 MiB mmap
+  threshold.
 
-Results: ``benchmarks/results/compile.json``; the block between the ``compile``
-markers of ``docs/benchmarks.md`` is rewritten (not with ``--quick``).
-Goal (issue 26): regional steady step <= whole-step's, regional compile time
-<= 0.5 x whole-step's.
+Goal: regional steady step <= whole-step's, regional compile time <= 0.5 x whole-step's.
+Block: ``compile``.
 """
 import argparse
-import datetime
-import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,18 +25,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from torch import nn
 
-from .job import Job
-from .launch import ALLOCATOR_VARIABLES, MMAP_THRESHOLD, REPO
+from .core import records
+from .core.launch import JobFailed, error_line, load_average, torchrun
+from .core.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, summary
+from .core.records import spread
+from .core.workload import make_runner
 
-RESULTS = os.path.join(REPO, 'benchmarks', 'results', 'compile.json')
-REPORT = os.path.join(REPO, 'docs', 'benchmarks.md')
-BEGIN, END = '<!-- compile:begin -->', '<!-- compile:end -->'
-NPROC = 2
-#: Model sizes: ``full`` for the report, ``tiny`` for ``--quick`` and the memory warm-up.
+#: Model sizes: ``full`` for the docs, ``tiny`` for ``--quick`` and the memory warm-up.
 SIZES = {
     'vit': dict(full=dict(image=112, dim=384, depth=8, heads=6, batch=8),
                 tiny=dict(image=32, dim=32, depth=2, heads=2, batch=2)),
@@ -56,6 +46,7 @@ TIME_ARMS = ('eager', 'whole-step compile', 'regional compile')
 MEMORY_ARMS = ('no checkpointing', 'full', 'selective', 'regional compile',
                'regional compile + memory_budget 0.5')
 CLASSES = 100
+NPROC = 2
 
 
 class ViTBlock(nn.Module):
@@ -165,6 +156,7 @@ def wrapper_cfg(model: str, arm: str) -> Dict[str, Any]:
 
 
 def runner_cfg(case: Dict[str, Any], work_dir: str, size: Dict[str, Any], iters: int) -> Any:
+    """An FSDPRunner config of the case's model and arm on random images."""
     from mmengine.config import Config
     from mmengine.registry import DATASETS, MODELS
     MODELS.register_module('CompileBenchClassifier', module=Classifier, force=True)
@@ -185,45 +177,33 @@ def runner_cfg(case: Dict[str, Any], work_dir: str, size: Dict[str, Any], iters:
         default_hooks=dict(checkpoint=None, logger=dict(type='LoggerHook', interval=1000))))
 
 
-class Probe(Hook):
-    """Per iteration: wall time, graphs compiled so far and (memory cases) the RSS peak."""
-
-    def __init__(self) -> None:
-        self.records: List[Dict[str, Any]] = []
-
-    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        from .measure import reset_peak_rss
-        reset_peak_rss()
-        self.start = time.perf_counter()
-
-    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
-                         outputs: Any = None) -> None:
-        from torch._dynamo.utils import counters
-
-        from .measure import peak_rss_bytes
-        self.records.append(dict(time_s=time.perf_counter() - self.start, peak=peak_rss_bytes(),
-                                 graphs=counters['stats']['unique_graphs']))
-
-
-def _reason(text: str) -> str:
-    """A graph break's first line and, where dynamo gives one, its debug context."""
-    lines = text.split('\n')
-    context = [line.strip() for line in lines if 'debug context' in line]
-    return '; '.join([lines[0]] + context)[:240]
-
-
-def run_case(case: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Train one case in this torchrun job; rank 0 returns its summary."""
+def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
+    """In a torchrun job: train one case; rank 0 returns its summary."""
     import torch.distributed as dist
+    from mmengine.hooks import Hook
     from torch._dynamo.utils import counters
 
-    from .measure import rss_bytes, summary
-    from .workload import make_runner
+    class Probe(Hook):
+        """Per iteration: wall time, graphs compiled so far, the resident-set peak."""
+
+        def __init__(self) -> None:
+            self.records: List[Dict[str, Any]] = []
+
+        def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+            reset_peak_rss()
+            self.start = time.perf_counter()
+
+        def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                             outputs: Any = None) -> None:
+            self.records.append(dict(time_s=time.perf_counter() - self.start,
+                                     peak=peak_rss_bytes(),
+                                     graphs=counters['stats']['unique_graphs']))
+
     size = SIZES[case['model']]['tiny' if case['quick'] else 'full']
     if case['memory']:  # pay what does not depend on the model's size before the baseline
         with tempfile.TemporaryDirectory() as work_dir:
             make_runner(runner_cfg(case, work_dir, SIZES[case['model']]['tiny'], 1)).train()
-        torch._dynamo.reset()  # the measured model compiles afresh, static shapes
+        torch._dynamo.reset()  # the measured model compiles afresh
     baseline = rss_bytes()
     with tempfile.TemporaryDirectory() as work_dir:
         runner = make_runner(runner_cfg(case, work_dir, size, case['warmup'] + case['steps']))
@@ -233,154 +213,73 @@ def run_case(case: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         del runner
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(baseline=baseline, records=probe.records))
-    if dist.get_rank() != 0:
-        return None
+    if dist.get_rank():
+        return {}
     iters = range(len(probe.records))
     times = [max(g['records'][i]['time_s'] for g in gathered) for i in iters]
     warm, steady = times[:case['warmup']], summary(times[case['warmup']:])
-    breaks = sorted(counters['graph_break'].items(), key=lambda kv: -kv[1])
-    out = dict(model=case['model'], arm=case['arm'], memory=case['memory'], size=size,
-               world_size=len(gathered),
-               warmup_s=warm, step_s=steady, compile_s=sum(warm) - len(warm) * steady['median'],
-               graphs=[r['graphs'] for r in probe.records],
-               graph_breaks={_reason(text): n for text, n in breaks[:6]})
+    out = dict(case, world_size=len(gathered), step_s=steady,
+               compile_s=sum(warm) - len(warm) * steady['median'],
+               graphs=probe.records[-1]['graphs'],
+               graph_breaks=dict(counters['graph_break'].most_common(6)))
     if case['memory']:
-        out['peak_bytes'] = summary(
-            max(g['records'][i]['peak'] - g['baseline'] for g in gathered)
-            for i in iters[case['warmup']:])
+        out['peak_bytes'] = summary(max(g['records'][i]['peak'] - g['baseline'] for g in gathered)
+                                    for i in iters[case['warmup']:])
     return out
 
 
-def worker(case: Dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    from mmfsdp.dist import init_distributed, shutdown_distributed
-
-    from .workload import threads_per_rank
-    init_distributed('pytorch', dict(timeout=1800))
-    torch.set_num_threads(threads_per_rank(dist.get_world_size()))
-    try:
-        result = run_case(case)
-        if result is not None:
-            print('RESULT ' + json.dumps(result), flush=True)
-    finally:
-        shutdown_distributed()
+def _row(r: Dict[str, Any], cells: List[str]) -> List[str]:
+    load = f"{r['load_before']:.1f} → {r['load_after']:.1f}"
+    if 'error' in r:
+        cells = ['failed: ' + r['error'].replace('|', '/')] + [''] * (len(cells) - 1)
+    return [r['model'], r['arm'], *cells, load]
 
 
-def launch(case: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """One torchrun job of ``case``, with a cold inductor cache; the load average around it."""
-    with tempfile.TemporaryDirectory(prefix='mmfsdp-compile-') as cache:
-        env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
-        env.update(PYTHONPATH=REPO, TORCHINDUCTOR_CACHE_DIR=cache)
-        if case['memory']:
-            env['MALLOC_MMAP_THRESHOLD_'] = str(MMAP_THRESHOLD)
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node',
-               str(NPROC), '-m', 'benchmarks.compile', '--worker', json.dumps(case)]
-        load, start = os.getloadavg(), time.perf_counter()
-        with Job([cmd], env, REPO, merge_stderr=False) as job:
-            finished = job.wait(timeout)
-            out, err, code = job.stdout(), job.stderr(), job.returncodes[0]
-    results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith('RESULT ')]
-    result = results[0] if results else dict(
-        model=case['model'], arm=case['arm'], memory=case['memory'],
-        error=f'exit {code}' + ('' if finished else f', killed after {timeout:.0f} s') + ': '
-              + next((line for line in reversed(err.splitlines())
-                      if line.startswith('[rank') and 'Error' in line), ''))
-    if not results:  # a failure is a result; the whole stderr goes to ours
-        print(err, file=sys.stderr, flush=True)
-    return dict(result, load_before=load, load_after=os.getloadavg(),
-                wall_s=time.perf_counter() - start)
-
-
-def machine() -> Dict[str, Any]:
-    import mmengine
-    with open('/proc/cpuinfo') as f:
-        cpu = next((line.split(':', 1)[1].strip() for line in f
-                    if line.startswith('model name')), platform.processor())
-    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO, text=True,
-                            capture_output=True).stdout.strip()
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(),
-                torch=torch.__version__, mmengine=mmengine.__version__, commit=commit,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))
-
-
-def _row(r: Dict[str, Any], cells: Any, width: int) -> str:
-    """A table row: the case, ``cells(r)`` (``width`` of them) or its error, the load."""
-    load = f"{r['load_before'][0]:.1f} → {r['load_after'][0]:.1f}"
-    shown = cells(r) if 'error' not in r else \
-        ['failed: ' + r['error'].replace('|', '/')[:200]] + [''] * (width - 1)
-    return '| ' + ' | '.join([r['model'], r['arm'], *shown, load]) + ' |'
-
-
-def _spread(s: Dict[str, float], scale: float = 1, fmt: str = '{:.3f}') -> str:
-    return f"{fmt.format(s['median'] * scale)} ({fmt.format(s['min'] * scale)}–" \
-           f"{fmt.format(s['max'] * scale)})"
-
-
-def tables(data: Dict[str, Any]) -> str:
-    """The two Markdown tables, the goal's verdict, the machine and the command."""
-    m = data['machine']
-    by = {(r['model'], r['arm'], r['memory']): r for r in data['results']}
-    lines = [f"`{data['command']}` on {m['date']}: {m['cpu']}, {m['cores']} cores (shared), "
-             f"Python {m['python']}, torch {m['torch']}, mmengine {m['mmengine']}, commit "
-             f"{m['commit']}; FSDP2 over {NPROC} ranks (gloo), fp32, AdamW, inductor.", '',
-             '| model | arm | steady step s, median (min–max) | compile s | graphs | '
-             'load (1 min) before → after |', '|---|---|---|---|---|---|']
-    verdicts = []
+def tables(results: List[Dict[str, Any]]) -> str:
+    """The step-time table, the goal's verdict and the memory table."""
+    by = {(r['model'], r['arm'], r['memory']): r for r in results}
+    times, peaks, verdicts = [], [], []
     for model in SIZES:
-        lines += [_row(r, lambda r: [_spread(r['step_s']), f"{r['compile_s']:.1f}",
-                                     str(r['graphs'][-1])], 3)
-                  for r in (by.get((model, arm, False)) for arm in TIME_ARMS) if r]
-        whole, regional = (by.get((model, arm, False)) for arm in TIME_ARMS[1:])
-        if not (whole and regional) or 'error' in regional:
-            continue
-        if 'error' in whole:
-            verdicts.append(f'{model}: whole-step compile failed, nothing to compare with')
-            continue
-        step = regional['step_s']['median'] / whole['step_s']['median']
-        comp = regional['compile_s'] / whole['compile_s']
-        verdicts.append(f"{model}: regional / whole-step steady step {step:.2f} "
-                        f"({'holds' if step <= 1 else '**misses**'} ≤ 1), compile time "
-                        f"{comp:.2f} ({'holds' if comp <= 0.5 else '**misses**'} ≤ 0.5)")
-    lines += ['', 'Goal: ' + '; '.join(verdicts) + '.', '',
-              '| model | arm | peak per rank MiB, median (min–max) | steady step s | '
-              'load (1 min) before → after |', '|---|---|---|---|---|']
-    for model in SIZES:
-        lines += [_row(r, lambda r: [_spread(r['peak_bytes'], 2 ** -20, '{:,.1f}'),
-                                     f"{r['step_s']['median']:.3f}"], 2)
-                  for r in (by.get((model, arm, True)) for arm in MEMORY_ARMS) if r]
-    return '\n'.join(lines)
-
-
-def write_block(text: str, path: str = REPORT) -> None:
-    """Replace what lies between :data:`BEGIN` and :data:`END` in ``path`` with ``text``."""
-    with open(path) as f:
-        doc = f.read()
-    if BEGIN not in doc or END not in doc:
-        raise ValueError(f'{path} has no {BEGIN} ... {END} block')
-    head, rest = doc.split(BEGIN, 1)
-    with open(path, 'w') as f:
-        f.write(f'{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}')
+        for arm in TIME_ARMS:
+            r = by.get((model, arm, False))
+            if r:
+                times.append(_row(r, [spread(r['step_s'], '{:.3f}'), f"{r['compile_s']:.1f}",
+                                      str(r['graphs'])] if 'error' not in r else ['', '', '']))
+        for arm in MEMORY_ARMS:
+            r = by.get((model, arm, True))
+            if r:
+                peaks.append(_row(r, [spread(r['peak_bytes'], '{:,.1f}', 1 / records.MIB),
+                                      f"{r['step_s']['median']:.3f}"] if 'error' not in r
+                                  else ['', '']))
+        whole, regional = by.get((model, TIME_ARMS[1], False)), by.get((model, TIME_ARMS[2], False))
+        if whole and regional and 'error' not in whole and 'error' not in regional:
+            step = regional['step_s']['median'] / whole['step_s']['median']
+            comp = regional['compile_s'] / whole['compile_s']
+            verdicts.append(f"{model}: regional / whole-step steady step {step:.2f} "
+                            f"({'holds' if step <= 1 else '**misses**'} ≤ 1), compile time "
+                            f"{comp:.2f} ({'holds' if comp <= 0.5 else '**misses**'} ≤ 0.5)")
+    load = 'load (1 min) before → after'
+    return '\n\n'.join([
+        records.header('python -m benchmarks.compile')
+        + f' FSDP2 over {NPROC} ranks (gloo), fp32, AdamW, inductor.',
+        records.table(['model', 'arm', 'steady step s, median (min–max)', 'compile s', 'graphs',
+                       load], times),
+        'Goal: ' + ('; '.join(verdicts) or 'no pair of compile arms ran') + '.',
+        records.table(['model', 'arm', 'peak per rank MiB, median (min–max)', 'steady step s',
+                       load], peaks)])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = argparse.ArgumentParser(prog='python -m benchmarks.compile',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('--quick', action='store_true', help='tiny models, 2 + 2 iterations')
-    parser.add_argument('--only', help='run only cases whose "model/arm" contains this')
-    parser.add_argument('--resume', action='store_true', help='keep the results in --out')
-    parser.add_argument('--out', default=RESULTS)
-    parser.add_argument('--report', default=REPORT, help='the Markdown file with the block')
+    parser.add_argument('--only', help='run only the cases whose "model/arm" contains this')
+    parser.add_argument('--resume', action='store_true', help='keep the cases already in --out')
     parser.add_argument('--timeout', type=float, default=1800, help='seconds per job')
-    parser.add_argument('--worker', help=argparse.SUPPRESS)  # a case, inside torchrun
+    records.add_output_options(parser, 'compile')
     args = parser.parse_args(argv)
-    if args.worker:
-        return worker(json.loads(args.worker))
-    data = dict(machine=machine(), results=[],
-                command='python -m benchmarks.compile' + (' --quick' if args.quick else ''))
-    if args.resume and os.path.exists(args.out):
-        with open(args.out) as f:
-            data = json.load(f)
-    done = {(r['model'], r['arm'], r['memory']) for r in data['results']}
+    results = records.load_results(args.out) if args.resume else []
+    done = {(r['model'], r['arm'], r['memory']) for r in results}
     warmup, steps = (2, 2) if args.quick else (3, 6)
     for model in SIZES:
         for memory, arms in ((False, TIME_ARMS), (True, MEMORY_ARMS)):
@@ -388,21 +287,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                 name = f'{model}/{arm}' + (' (memory)' if memory else '')
                 if (model, arm, memory) in done or (args.only and args.only not in name):
                     continue
-                r = launch(dict(model=model, arm=arm, memory=memory, quick=args.quick,
-                                warmup=warmup, steps=steps), args.timeout)
-                print(f'{name}: ' + (r.get('error') or f"step {r['step_s']['median']:.3f} s, "
-                      f"compile {r['compile_s']:.1f} s" + (
-                          f", peak {r['peak_bytes']['median'] / 2**20:.1f} MiB" if memory
-                          else '')) + f", load {r['load_before'][0]:.1f}", file=sys.stderr,
-                      flush=True)
-                data['results'].append(r)
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, 'w') as f:
-                    json.dump(data, f, indent=1)
-    text = tables(data)
-    if not args.quick and not args.only:
-        write_block(text, args.report)
-    print(text)
+                case = dict(model=model, arm=arm, memory=memory, quick=args.quick,
+                            warmup=warmup, steps=steps)
+                with tempfile.TemporaryDirectory(prefix='mmfsdp-inductor-') as cache:
+                    load = load_average()
+                    try:
+                        results += torchrun('compile', [case], NPROC, args.timeout, memory,
+                                            env=dict(TORCHINDUCTOR_CACHE_DIR=cache))
+                    except JobFailed as e:  # a failure is a result
+                        print(e, file=sys.stderr)
+                        results.append(dict(case, error=error_line(e), load_before=load,
+                                            load_after=load_average()))
+                records.save_results(args.out, results)
+    records.finish(args, {'compile': tables(results)})
 
 
 if __name__ == '__main__':
