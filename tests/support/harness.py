@@ -21,6 +21,7 @@ measures "equal to one process" the same way.
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -78,6 +79,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ``fn`` must be a module-level function (it is pickled by reference) and
     return tensors, numbers, strings, or lists / dicts of them.
     """
+    sys.audit('harness.run_distributed', world_size)  # tests/unit refuses it
     ctx = multiprocessing.get_context('spawn')
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:

@@ -92,11 +92,6 @@ def test_runner_steps_route_the_private_step_to_its_public_name():
     assert calls == ['init_model_weights']
 
 
-def test_runner_keeps_load_from_and_resume_privately(runner):
-    assert compat.load_from(runner) == 'missing.pth', 'Runner no longer keeps _load_from'
-    assert compat.resume_requested(runner) is True, 'Runner no longer keeps _resume'
-
-
 def test_load_or_resume_skips_a_loaded_checkpoint_by_has_loaded(runner):
     assert runner._has_loaded is False, 'Runner.__init__ no longer sets _has_loaded'
     compat.mark_checkpoint_loaded(runner)
@@ -393,24 +388,6 @@ def test_fake_tensor_mode_computes_shapes_without_storage():
         z = (x @ torch.empty(8, 3)).sum()
     assert y.shape == (1024, 16) and y.device.type == 'cpu' and z.shape == ()
     assert type(y).__name__ == 'FakeTensor'
-
-
-def _gloo_workers_by_name():
-    import datetime
-
-    import torch.distributed as dist
-
-    from harness import COLLECTIVE_TIMEOUT_S
-    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    dist.all_reduce(torch.ones(1))
-    return len(compat.gloo_worker_threads())
-
-
-def test_gloo_worker_threads_are_found_by_the_name_torch_gives_them():
-    """``ProcessGroupGloo`` runs its collectives on threads named ``pt_gloo_runloop``."""
-    from harness import run_distributed
-    assert compat.GLOO_WORKER_THREAD == 'pt_gloo_runloop'
-    assert all(n >= 1 for n in run_distributed(_gloo_workers_by_name, 2))
 
 
 def test_fsdp1_no_sync_toggles_the_flag_its_backward_reads():

@@ -25,6 +25,7 @@ from mmengine.runner import Runner
 from harness import max_abs_diff, run_distributed
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import META_FILE, UnsafeCheckpointError
+from payloads import CreatesFile
 from toy import DDP, FSDP1, ToyClassifier, checkpointing_config, runner_config
 
 WRAPPERS = {'fsdp': FSDP1, 'ddp': DDP}
@@ -237,20 +238,10 @@ def test_ordinary_mmengine_checkpoint_resumes_after_opt_in(runs):
                           OTHER_WORLD_TOL)
 
 
-class _CreatesFile:
-    """Unpickling this creates a file: what a malicious checkpoint could do."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, 'w'))
-
-
 def test_checkpoint_with_unexpected_globals_executes_nothing(tmp_path):
     marker = tmp_path / 'created-by-unpickling'
     path = str(tmp_path / 'evil.pth')
-    torch.save(dict(state_dict={}, meta=dict(iter=1), payload=_CreatesFile(str(marker))), path)
+    torch.save(dict(state_dict={}, meta=dict(iter=1), payload=CreatesFile(str(marker))), path)
     cfg = runner_config('evil', str(tmp_path / 'work'), batch_size=8, launcher='none',
                         wrapper=FSDP1)
     cfg.update(load_from=path)

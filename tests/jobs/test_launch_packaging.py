@@ -17,11 +17,8 @@ import subprocess
 import sys
 import zipfile
 
-import yaml
-
 from harness import REPO
 
-MIM = REPO / 'mmfsdp' / '.mim'
 #: What setup.py needs to build a wheel, copied to keep the working tree clean.
 SOURCE_ITEMS = ['setup.py', 'README.md', 'requirements.txt', 'MANIFEST.in', 'mmfsdp', 'configs',
                 'tools']
@@ -31,29 +28,6 @@ def _repo_files(folder: str, suffixes: tuple) -> set:
     root = REPO / folder
     return {p.relative_to(root).as_posix() for p in root.rglob('*')
             if p.is_file() and p.suffix in suffixes and '__pycache__' not in p.parts}
-
-
-def _top_level_configs() -> set:
-    return {f'configs/{p.name}' for p in (REPO / 'configs').glob('*.py')}
-
-
-def test_mim_folder_links_the_top_level_folders():
-    for name in ('configs', 'tools'):
-        link = MIM / name
-        assert link.is_symlink(), f'{link} must be a symlink (it serves editable installs)'
-        assert os.readlink(link) == f'../../{name}', 'the link must be relative to work anywhere'
-        assert link.resolve() == (REPO / name).resolve()
-    assert (MIM / 'tools' / 'train.py').is_file() and (MIM / 'tools' / 'test.py').is_file()
-
-
-def test_model_index_lists_every_top_level_config():
-    index = yaml.safe_load((MIM / 'model-index.yml').read_text())
-    listed = set()
-    for meta in index['Import']:
-        models = yaml.safe_load((MIM / meta).read_text())['Models']
-        listed |= {m['Config'] for m in models}
-        assert all({'Name', 'In Collection', 'Config'} <= set(m) for m in models)
-    assert listed == _top_level_configs()
 
 
 def test_wheel_copies_configs_and_tools_into_mim(tmp_path):

@@ -38,58 +38,6 @@ BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
 
 
-def test_a_wrapper_missing_a_member_cannot_be_built():
-
-    class Incomplete(nn.Module, ParallelWrapper):
-
-        @classmethod
-        def check_config(cls, config, module=None):
-            pass
-
-    with pytest.raises(TypeError, match='abstract') as info:
-        Incomplete()
-    for member in ('no_sync', 'clip_grad_norm_', 'train_step'):
-        assert member in str(info.value)
-
-
-def test_other_wrappers_are_driven_as_mmengine_drives_them():
-    assert not is_parallel_wrapper(MMEngineDDP)
-    theirs = resolve_wrapper(dict(type=MMEngineDDP, init_device='meta'))
-    assert not theirs.ours and not theirs.offloads_to_cpu and not theirs.meta_init
-    assert theirs.layout(ToyClassifier()) is None
-    assert resolve_wrapper(dict(type=MMFullyShard, init_device='meta')).meta_init
-    with pytest.raises(TypeError, match='has no sharding plan'):
-        plan_for(MMEngineDDP, dict(type=MMEngineDDP), ToyClassifier(), 2)
-
-
-def test_one_optim_wrapper_iterator():
-    one, gen, disc = (OptimWrapper(optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1))
-                      for _ in range(3))
-    assert list(named_optim_wrappers(one)) == [(None, one)]
-    pairs = list(named_optim_wrappers(OptimWrapperDict(generator=gen, discriminator=disc)))
-    assert pairs == [('generator', gen), ('discriminator', disc)]
-
-
-def test_fsdp1_and_fsdp2_cut_a_model_into_the_same_units():
-    options = dict(auto_wrap_policy=BLOCKS, activation_checkpointing=dict(layer_cls=['ToyBlock']))
-    one, two = (cls.from_dict(options).layout(ToyClassifier())
-                for cls in (FSDPConfig, FullyShardConfig))
-    assert one.units == two.units and one.units and one.checkpoint_layers == (ToyBlock, )
-    for cls in (FSDPConfig, FullyShardConfig):
-        with pytest.raises(ValueError, match="'ToyBlok'"):
-            cls.from_dict(dict(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlok']))
-                          ).layout(ToyClassifier())
-
-
-def test_wrap_preconditions_apply_in_train_only():
-    pre = WrapPreconditions()
-    pre.check(dict(type='OptimWrapper'))  # val() / test(): nothing to check
-    with pre.phase('train'), pytest.raises(LifecycleError) as info:
-        pre.check(dict(type='OptimWrapper'))
-    assert 'optim wrapper is not built' in str(info.value)
-    assert 'weights are not initialised' in str(info.value)
-
-
 # ---- one 2-process group -------------------------------------------------------------------
 
 

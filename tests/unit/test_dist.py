@@ -12,8 +12,6 @@ groups:
   offload, fp16 AMP and gradient clipping, against the same run without offload.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -33,7 +31,6 @@ FULL_SHARD = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLO
 AMP_CLIP = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
                 optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=0.05))
 GLOBAL_BATCH, HALF, TOTAL = 8, 3, 6
-OTHER_WORLD_TOL = 2e-5
 
 
 @pytest.mark.parametrize('accelerator, count, local_rank, expected', [
@@ -62,18 +59,6 @@ def test_backend_from_device_offload_and_dist_cfg(device, offload, configured, e
 
 def test_full_state_gathers_to_rank0_cpu_on_accelerators_only():
     assert full_state_on_rank0(CUDA0) and not full_state_on_rank0(CPU)
-
-
-def test_a_cuda_build_without_visible_gpu_trains_on_the_cpu():
-    # On a CUDA build of torch this is the regression test (it divided by zero);
-    # on a CPU build it checks the same contract.
-    code = ('from mmfsdp.dist import current_device, select_backend; d = current_device(); '
-            'print(d, select_backend(d, True))')
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES='-1')
-    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ['cpu', 'gloo']
 
 
 def _slurm_env(node: int, local: int, rank: int) -> dict:
@@ -208,39 +193,3 @@ def groups(tmp_path_factory) -> tuple:
     return four, two
 
 
-def test_slurm_start_exports_local_world_size_and_uses_dist_cfg_port(groups):
-    four, _ = groups
-    assert {r['local_world_size'] for r in four} == {'2'}
-    assert len({r['port'] for r in four}) == 1
-
-
-def test_fsdp1_hybrid_shard_shards_within_each_node(groups):
-    four, _ = groups
-    assert [r['shard_group'] for r in four] == [2, 2, 2, 2]
-
-
-def test_fsdp2_node_mesh_under_slurm(groups):
-    four, _ = groups
-    assert {r['fsdp2_node_mesh'] for r in four} == {((2, 2), ('replicate', 'shard'))}
-
-
-def test_hybrid_sharded_checkpoint_at_4_resumes_at_2(groups):
-    four, two = groups
-    expected, got = four[0]['final'], two[0]['resumed']
-    assert sorted(got) == sorted(expected)
-    diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
-    print(f'HYBRID_SHARD 2x2 -> FULL_SHARD at 2: max abs diff {diff:.2e}')
-    assert diff <= OTHER_WORLD_TOL
-
-
-def test_fsdp2_offload_trains_with_amp_and_clipping_on_cpu(groups):
-    _, two = groups
-    offload, in_memory = two[0]['offload'], two[0]['in-memory']
-    assert offload['offloaded'] == 'CPUOffloadPolicy'
-    assert len(offload['grad_norm']) == TOTAL
-    assert offload['grad_norm'] == pytest.approx(in_memory['grad_norm'], rel=1e-5)
-    assert offload['loss'] == pytest.approx(in_memory['loss'], rel=1e-5)
-    assert min(n for n in offload['grad_norm'] if n == n and n != float('inf')) > 0.05
-    diff = max((offload['final'][k] - in_memory['final'][k]).abs().max().item()
-               for k in in_memory['final'])
-    assert diff <= 1e-6

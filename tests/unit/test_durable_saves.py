@@ -1,0 +1,76 @@
+"""Saves survive crashes on disk: fsync, rename-aside; a run removes only what it wrote.
+
+Single-process tests on real files; the last one trains a real 1-process
+``FSDPRunner`` into a work dir that looks like a crashed run's.
+"""
+import os
+
+import torch
+
+from mmfsdp.checkpoint.durable import (
+    remove_stale_temporaries,
+    replace_path,
+    save_atomically,
+    temporary_path,
+)
+
+
+def _record_fsyncs(monkeypatch) -> list:
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f'/proc/self/fd/{fd}'))
+        return real(fd)
+
+    monkeypatch.setattr(os, 'fsync', fsync)
+    return synced
+
+
+def test_file_is_synced_before_and_directory_after_the_rename(tmp_path, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    path = str(tmp_path / 'iter_2.pth')
+    save_atomically(dict(x=torch.ones(2)), path)
+    assert synced == [path + '.tmp', str(tmp_path)]  # the file under its temporary name
+    assert os.listdir(tmp_path) == ['iter_2.pth']
+    assert torch.load(path)['x'].tolist() == [1.0, 1.0]
+
+
+def test_directory_is_replaced_by_rename_aside_and_synced(tmp_path, monkeypatch):
+    dst, src = tmp_path / 'iter_2.pth', tmp_path / 'iter_2.pth.tmp'
+    dst.mkdir()
+    (dst / 'old').write_text('old')
+    src.mkdir()
+    (src / 'shard').write_text('new')
+    synced = _record_fsyncs(monkeypatch)
+    replace_path(str(src), str(dst))
+    assert os.listdir(tmp_path) == ['iter_2.pth']
+    assert os.listdir(dst) == ['shard']
+    # every file and the directory itself before the rename, the parent after it
+    assert synced[:2] == [str(src / 'shard'), str(src)]
+    assert synced[-1] == str(tmp_path)
+
+
+def test_only_the_given_runs_temporaries_are_removed_and_an_orphaned_aside_restored(tmp_path):
+    (tmp_path / 'runa-iter_1.pth.tmp').write_text('half a file')
+    (tmp_path / 'runa-iter_3.pth.tmp').mkdir()
+    (tmp_path / 'runa-iter_3.pth.tmp' / '__0_0.distcp').write_text('shard')
+    (tmp_path / 'runa-iter_4.pth.old.tmp').mkdir()  # crash between the two renames
+    (tmp_path / 'iter_5.pth').mkdir()
+    (tmp_path / 'runa-iter_5.pth.old.tmp').mkdir()  # crash before the aside was deleted
+    (tmp_path / 'runb-iter_6.pth.tmp').write_text('another run, maybe still writing')
+    (tmp_path / 'iter_7.pth.tmp').write_text('written by no token')
+    (tmp_path / 'notes.tmp').write_text('user file')
+    removed = remove_stale_temporaries(str(tmp_path), ['runa'])
+    assert removed == ['runa-iter_1.pth.tmp', 'runa-iter_3.pth.tmp', 'runa-iter_5.pth.old.tmp']
+    assert sorted(os.listdir(tmp_path)) == ['iter_4.pth', 'iter_5.pth', 'iter_7.pth.tmp',
+                                            'notes.tmp', 'runb-iter_6.pth.tmp']
+    assert remove_stale_temporaries(str(tmp_path), []) == []
+
+
+def test_temporaries_carry_the_token(tmp_path):
+    assert temporary_path(str(tmp_path / 'iter_2.pth'), 'runa') == str(
+        tmp_path / 'runa-iter_2.pth.tmp')
+    assert temporary_path(str(tmp_path / 'iter_2.pth') + '/', 'runa', '.old.tmp') == str(
+        tmp_path / 'runa-iter_2.pth.old.tmp')
+
+
