@@ -41,12 +41,12 @@ setup(
     package_data={'mmfsdp': MIM_FILES},
     python_requires='>=3.9',
     install_requires=requirements(),
-    # transformers: the third-party zoo of tests/test_hf_zoo.py (needs no torch extra)
-    # benchmarks: plots, and the peers of `python -m benchmarks.peers` (accelerate, Lightning
-    # Fabric); pinned to the versions measured in docs/benchmarks.md
+    # pytest-timeout: every test has a deadline (pyproject.toml)
+    # transformers: the third-party zoo of tests/dist/test_hf_zoo.py (needs no torch extra)
+    # benchmarks: the peers of `python -m benchmarks.peers` (accelerate, Lightning Fabric),
+    # pinned to the versions measured in docs/benchmarks.md
     extras_require={'tests': ['pytest', 'pytest-timeout', 'ruff', 'transformers==5.23.0'],
-                    'benchmarks': ['matplotlib==3.11.2', 'accelerate==1.15.0',
-                                   'lightning==2.6.6'],
+                    'benchmarks': ['accelerate==1.15.0', 'lightning==2.6.6'],
                     # docs: the documentation site (python -m sphinx -W -b html docs
                     # docs/_build/html); Sphinx 9 needs Python >= 3.11
                     'docs': ['sphinx==9.0.4', 'myst-parser==5.2.0', 'furo==2025.12.19']},

@@ -6,7 +6,9 @@ checkpointing setting and batch size through ``FSDPRunner``, measured as
 iteration above the resident set before the model was built; glibc with the 1 MiB
 mmap threshold; maximum over ranks, median over iterations), and compares it with
 ``python -m mmfsdp.plan --device cpu``'s step peak for the same config, computed on
-the meta-device model without running it. ``--repredict`` recomputes the
+the meta-device model without running it. ``--cpu-allocator jemalloc`` (or
+``tcmalloc``) measures under that malloc, preloaded as ``tools/dist_train.sh``
+preloads it, and predicts with its heap. ``--repredict`` recomputes the
 predictions of the cases in ``--out`` without measuring again.
 Goal: |predicted - measured| <= 10 % of measured on every case. Block: ``peak-truth``.
 """
@@ -14,7 +16,7 @@ import argparse
 from typing import Any, Dict, List, Optional
 
 from .core import records
-from .core.launch import torchrun
+from .core.launch import preload_for, torchrun
 from .core.workload import CHECKPOINT_BLOCKS, STRATEGIES, build_model, runner_cfg
 from .memory import measure_steps
 
@@ -42,8 +44,9 @@ def predict(case: Dict[str, Any]) -> Dict[str, Any]:
     wrapper_cls = MODEL_WRAPPERS.get(wrapper_cfg['type'].split('.', 1)[-1])
     model = build_model(case['model'], 'meta')
     plan = plan_for(wrapper_cls, wrapper_cfg, model, case['world_size'], dict(type='AdamW'))
+    heap = heap_threshold('cpu', case.get('cpu_allocator', 'glibc'))
     return step_peak(plan, trace_for(wrapper_cls, wrapper_cfg, model, batch), size,
-                     heap_threshold('cpu', 'glibc')).to_dict()
+                     heap).to_dict()
 
 
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
@@ -53,11 +56,12 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def grid(models: List[str], world_sizes: List[int], batches: List[int],
-         strategies: List[str]) -> List[Dict[str, Any]]:
+         strategies: List[str], cpu_allocator: str = 'glibc') -> List[Dict[str, Any]]:
     """model x N x strategy x AC x batch (DDP without checkpointing)."""
+    suffix = '' if cpu_allocator == 'glibc' else f'/{cpu_allocator}'
     return [dict(model=model, world_size=n, strategy=strategy, ac=ac, batch_size=batch,
-                 seq_len=64, warmup=1, steps=2,
-                 name=f"peak/{model}/N{n}/{strategy}/{'AC' if ac else 'no-AC'}/b{batch}")
+                 seq_len=64, warmup=1, steps=2, cpu_allocator=cpu_allocator,
+                 name=f"peak/{model}/N{n}/{strategy}/{'AC' if ac else 'no-AC'}/b{batch}{suffix}")
             for model in models for n in world_sizes for strategy in strategies
             for ac in ((False, True) if strategy != 'DDP' else (False, )) for batch in batches]
 
@@ -102,6 +106,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument('--batch-sizes', nargs='+', type=int, default=[2, 8])
     parser.add_argument('--strategies', nargs='+', default=STRATEGY_NAMES,
                         choices=STRATEGY_NAMES)
+    parser.add_argument('--cpu-allocator', default='glibc',
+                        choices=['glibc', 'jemalloc', 'tcmalloc'])
     parser.add_argument('--resume', action='store_true', help='keep the cases already in --out')
     parser.add_argument('--repredict', action='store_true',
                         help='only recompute the predictions of the cases in --out')
@@ -112,9 +118,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         results = [dict(r, predicted=predict(r)) for r in results]
     else:
         done = {r['name'] for r in results}
-        for case in grid(args.models, args.world_sizes, args.batch_sizes, args.strategies):
+        glibc = args.cpu_allocator == 'glibc'
+        env = {} if glibc else preload_for(args.cpu_allocator)
+        for case in grid(args.models, args.world_sizes, args.batch_sizes, args.strategies,
+                         args.cpu_allocator):
             if case['name'] not in done:
-                results += torchrun('peak_truth', [case], case['world_size'])
+                results += torchrun('peak_truth', [case], case['world_size'], memory=glibc,
+                                    env=env)
                 records.save_results(args.out, results)
     records.save_results(args.out, results)
     records.finish(args, {'peak-truth': records.header('python -m benchmarks.peak_truth')

@@ -36,6 +36,23 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def preload_for(cpu_allocator: str) -> Dict[str, str]:
+    """The variables the launch scripts set for ``MMFSDP_CPU_ALLOCATOR=cpu_allocator``.
+
+    Sources their own chooser (``tools/cpu_allocator.sh``); an allocator that is not
+    installed raises :class:`JobFailed` with the chooser's message.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
+    env['MMFSDP_CPU_ALLOCATOR'] = cpu_allocator
+    chooser = os.path.join(REPO, 'tools', 'cpu_allocator.sh')
+    proc = subprocess.run(['bash', '-c', 'source "$1" && env -0', 'bash', chooser], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise JobFailed(proc.stderr.strip())
+    chosen = dict(item.split('=', 1) for item in proc.stdout.split('\0') if '=' in item)
+    return {k: v for k, v in chosen.items() if k in ALLOCATOR_VARIABLES and v}
+
+
 def torchrun(module: str, cases: List[Dict[str, Any]], nproc: int, timeout: float = 1800,
              memory: bool = True, env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
     """Run ``cases`` of ``benchmarks.<module>`` in one torchrun job of ``nproc`` processes.

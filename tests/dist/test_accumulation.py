@@ -4,8 +4,8 @@ Every run trains 2 ranks x 2 micro-steps of 4 samples per optimizer step in one
 2-process gloo group and is compared with mmengine's stock ``Runner`` training
 the accumulated batch (16 samples) in one step in this process; hybrid sharding
 runs on a 2 x 2 mesh of 4 processes. The collectives of every micro-step are
-counted (``benchmarks.comm``, which wraps the process group's methods and calls
-through): they show which mode ran.
+counted (``collectives.CollectiveCounter``, which wraps the process group's methods
+and calls through): they show which mode ran.
 """
 import copy
 

@@ -1,4 +1,7 @@
-"""fp16 AMP on CPU with a shard-aware loss scaler; its state survives a resume."""
+"""fp16 AMP on CPU with a shard-aware loss scaler; its state survives a resume.
+
+The checks share one 2-process gloo group.
+"""
 import pytest
 import torch
 from mmengine.config import Config

@@ -1,9 +1,6 @@
-"""One test per private mmengine / torch internal that :mod:`mmfsdp.compat` relies on.
+"""The private torch internal that needs a process group: gloo's worker threads, by name.
 
-Each fails with a message naming the internal when a new mmengine or torch
-release renames it, changes its signature or stops doing what mmfsdp relies
-on; the fix is in ``mmfsdp/compat/`` (and wherever that message points).
-Single process, no process group: these read the installed libraries.
+The others, one test per internal, are in ``tests/unit/test_compat.py``.
 """
 import hashlib
 import inspect
@@ -30,29 +27,7 @@ from torch.distributed.fsdp._flat_param import FlatParamHandle
 from mmfsdp import compat
 
 
-class _Model(BaseModel):
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(2, 2)
-
-    def forward(self, inputs=None, data_samples=None, mode='tensor'):
-        return self.fc(inputs)
-
-
-@pytest.fixture(scope='module')
-def runner(tmp_path_factory):
-    """A stock Runner, one process, asked to load and resume (nothing is read)."""
-    return Runner(model=_Model(), work_dir=str(tmp_path_factory.mktemp('compat')),
-                  load_from='missing.pth', resume=True, experiment_name='compat_test')
-
-
 # ---- mmengine --------------------------------------------------------------
-
-
-def test_runner_keeps_load_from_and_resume_privately(runner):
-    assert compat.load_from(runner) == 'missing.pth', 'Runner no longer keeps _load_from'
-    assert compat.resume_requested(runner) is True, 'Runner no longer keeps _resume'
 
 
 # ---- torch -----------------------------------------------------------------

@@ -7,7 +7,6 @@ products kept) or within a memory budget (the compiler decides; needs compiled
 layers). Under FSDP1, FSDP2 and DDP at 2 ranks, every combination trains equal
 to one eager process of mmengine's stock ``Runner`` on the global batch, and a
 run resumed from its checkpoint ends exactly where the uninterrupted run ends.
-The unit checks (no process) show what each mode keeps.
 """
 import pytest
 import torch

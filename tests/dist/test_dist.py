@@ -1,9 +1,6 @@
-"""Device, backend and launcher start-up; FSDP1 hybrid sharding; FSDP2 offload on CPU.
+"""Start-up on real process groups; FSDP1 hybrid sharding; FSDP2 offload on CPU.
 
-Single-process checks of the pure selection functions (what a GPU node, a
-CPU node and a CUDA build without a visible GPU each get), then two process
-groups:
-
+- a CUDA build without a visible GPU trains on the CPU;
 - 4 ranks started the way ``srun`` starts them (only ``SLURM_*`` variables,
   ``env_cfg.dist_cfg.port``; mmfsdp exports ``LOCAL_WORLD_SIZE``): FSDP1
   ``HYBRID_SHARD`` as 2 nodes x 2 ranks, saving a sharded checkpoint; FSDP2's

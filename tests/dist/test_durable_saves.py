@@ -1,8 +1,4 @@
-"""Saves survive crashes on disk: fsync, rename-aside; a run removes only what it wrote.
-
-Single-process tests on real files; the last one trains a real 1-process
-``FSDPRunner`` into a work dir that looks like a crashed run's.
-"""
+"""A run removes only what it wrote: a 1-process ``FSDPRunner`` in a crashed run's work dir."""
 import os
 import shutil
 

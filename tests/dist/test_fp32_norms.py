@@ -6,7 +6,6 @@ trained under FSDP2, FSDP1 (with and without a wrap policy), and the #156784
 configurations. The one-process reference is built here from plain torch, not
 from mmfsdp: parameters cast to bf16 per use, batch norms in fp32 with their
 input cast up and their output cast back, one replica of the buffers per rank.
-The option's resolution, errors and plan are single-process tests.
 """
 import copy
 from typing import Dict, List
@@ -19,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from vision import GroupNormNet, TinyResNet, tiny_resnet
 from harness import max_abs_diff, raised, run_distributed
 from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
 from mmfsdp.plan.memory import make_plan
@@ -43,59 +43,6 @@ TOL_REFERENCE = 1e-5
 #: moves a weight by ~1.6e-6 per step). Measured: 0.0 (bitwise equal), both ranks,
 #: with and without a wrap policy.
 TOL_FSDP1 = TOL_REFERENCE
-
-
-class Block(nn.Module):
-    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
-class TinyResNet(nn.Module):
-    """Stem (conv + BN, in the root unit), two blocks, global pooling, a linear head."""
-
-    def __init__(self, channels: int = 8, classes: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-        self.blocks = nn.Sequential(Block(channels), Block(channels))
-        self.head = nn.Linear(channels, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(F.relu(self.bn(self.stem(x))))
-        return self.head(x.mean((2, 3)))
-
-
-class GroupNormNet(nn.Module):
-    """Conv + GroupNorm + LayerNorm + linear: norms a user adds to ``fp32_modules``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.gn = nn.GroupNorm(2, 8)
-        self.ln = nn.LayerNorm(8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(self.gn(self.conv(x)).mean((2, 3))))
-
-
-def _model(seed: int = 0) -> TinyResNet:
-    torch.manual_seed(seed)
-    model = TinyResNet()
-    for m in model.modules():  # BN affine parameters away from 1 / 0, so they matter
-        if isinstance(m, _BatchNorm):
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.2, 0.2)
-    return model
 
 
 def _batch(step: int, rank: int):
@@ -139,7 +86,7 @@ def _full_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _train(wrapper_cls, rank: int, **options) -> Dict[str, torch.Tensor]:
-    model = wrapper_cls(_model(), **options)
+    model = wrapper_cls(tiny_resnet(), **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         x, y = _batch(step, rank)
@@ -152,7 +99,7 @@ def _train(wrapper_cls, rank: int, **options) -> Dict[str, torch.Tensor]:
 
 def _mixed_dtype_model() -> TinyResNet:
     """A model the user keeps in bf16 with fp32 batch norms (mixed parameter dtypes)."""
-    model = _model().bfloat16()
+    model = tiny_resnet().bfloat16()
     for m in model.modules():
         if isinstance(m, _BatchNorm):
             m.float()
@@ -172,13 +119,13 @@ def _distributed(rank_unused: int = 0) -> dict:
              dict(auto_wrap_policy=BLOCKS, mixed_precision=BF16)),
             ('fsdp2_groupnorm', MMFullyShard,
              dict(mixed_precision=dict(BF16, fp32_modules=['GroupNorm', 'LayerNorm'])))):
-        model = GroupNormNet() if 'groupnorm' in name else _model()
+        model = GroupNormNet() if 'groupnorm' in name else tiny_resnet()
         wrapped = cls(model, **options)
         seen = _observe_dtypes(model)
         wrapped(_batch(0, rank)[0]).float().sum().backward()
         out[f'dtypes/{name}'] = seen
     # fp32_modules=[] turns it off: BN in bf16 fails on the CPU, as before the option
-    out['off'] = raised(lambda: MMFullyShard(_model(), mixed_precision=dict(
+    out['off'] = raised(lambda: MMFullyShard(tiny_resnet(), mixed_precision=dict(
         BF16, fp32_modules=[]))(_batch(0, rank)[0]))
     # (b) training
     out['train/fsdp2'] = _train(MMFullyShard, rank, auto_wrap_policy=BLOCKS,
@@ -221,7 +168,7 @@ def _reference(bf16: bool = True) -> List[Dict[str, torch.Tensor]]:
     trains everything in fp32 (the yardstick's yardstick).
     """
     low = torch.bfloat16 if bf16 else torch.float32
-    replicas = [_model(), _model()]
+    replicas = [tiny_resnet(), tiny_resnet()]
     params = dict(replicas[0].named_parameters())
     bn_names = {n for n, m in replicas[0].named_modules() if isinstance(m, _BatchNorm)}
     for replica in replicas:
@@ -292,7 +239,7 @@ def test_fsdp2_trains_what_one_process_with_fp32_norms_trains(distributed):
     diff = max_abs_diff(distributed[0]['train/fsdp2'], _reference(bf16=False)[0])
     print(f'fsdp2 (bf16) vs one process in fp32: max abs diff {diff:.2e}')
     assert diff > 100 * TOL_REFERENCE
-    first = _model().state_dict()
+    first = tiny_resnet().state_dict()
     assert max_abs_diff(reference[0], {k: v.to(reference[0][k].dtype)
                                        for k, v in first.items()}) > 1e-2
     assert max_abs_diff(reference[0], reference[1]) > 1e-3
@@ -321,3 +268,7 @@ def test_a_group_with_mixed_dtypes_is_refused_before_torch_asserts(distributed):
 # ------------------------------------------------------------------ resolution (no processes)
 
 
+def test_reference_is_deterministic():
+    """The one-process reference is the same each time (it is the yardstick)."""
+    a, b = _reference(), _reference()
+    assert max_abs_diff(a[0], b[0]) == 0.0 and max_abs_diff(a[1], copy.deepcopy(b[1])) == 0.0

@@ -1,4 +1,4 @@
-"""The sharding plan: exact bytes per rank before launch, checked against a real run."""
+"""The sharding plan checked against real runs: exact bytes per rank, the log, the command."""
 import glob
 import json
 import os
@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from harness import REPO, run_distributed
 from mmfsdp.plan import Padding, format_plan, plan_for, plan_to_dict
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
-from toy import ToyClassifier, runner_config
+from toy import ToyClassifier, meta_toy, runner_config
 
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
@@ -28,10 +28,6 @@ WRAPPERS = {
     'ddp': (MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel')),
 }
 
-
-def _meta_toy() -> nn.Module:
-    with torch.device('meta'):
-        return ToyClassifier()
 
 
 def _held_bytes(runner) -> dict:
@@ -76,14 +72,14 @@ def held(tmp_path_factory) -> list:
 @pytest.mark.parametrize('name', list(WRAPPERS))
 def test_plan_equals_bytes_held_after_a_step_up_to_padding(held, name):
     cls, wrapper = WRAPPERS[name]
-    plan = plan_for(cls, wrapper, _meta_toy(), 2, ADAMW)
+    plan = plan_for(cls, wrapper, meta_toy(), 2, ADAMW)
     planned = dict(params=sum(u.param_bytes for u in plan.units),
                    grads=sum(u.grad_bytes for u in plan.units),
                    optimizer=sum(u.optimizer_bytes for u in plan.units))
     # padding: at most (shard size - 1) elements per flat unit, or rows per parameter (dim 0)
     extra = plan.spec.shard_size - 1
     if plan.spec.padding is Padding.DIM0:
-        slack = sum(extra * p.numel() // p.shape[0] for p in _meta_toy().parameters()) * 4
+        slack = sum(extra * p.numel() // p.shape[0] for p in meta_toy().parameters()) * 4
     else:
         slack = len(plan.units) * extra * 4
     for rank in held:

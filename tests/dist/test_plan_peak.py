@@ -1,4 +1,6 @@
-"""The plan's step peak: activations traced with fake tensors, what-ifs, --fit-memory, truth."""
+"""The plan's step peak through ``python -m mmfsdp.plan``: the launch's allocator, what-ifs,
+``--fit-memory``, vision configs.
+"""
 import functools
 import json
 import os
@@ -14,6 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
+from vision import ConvBNClassifier, IMAGES, PREPROCESSOR
 from harness import REPO, SUPPORT
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
 from mmfsdp.plan.batch import config_batch, shape_batch
@@ -22,9 +25,6 @@ from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 
 CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
-BLOCKS = dict(type='transformer', layer_cls=['TransformerBlock'])
-FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
-AC = dict(activation_checkpointing=dict(layer_cls=['TransformerBlock']))
 
 
 def test_the_plan_assumes_the_allocator_the_launch_scripts_choose():
@@ -98,50 +98,19 @@ def test_fit_memory_lists_what_fits_cheapest_first(capsys, monkeypatch):
     assert 'nothing fits' in _cli(capsys, '--world-size', '2', '--fit-memory', '1MiB')
 
 
-# A vision model as mmpretrain's configs give it: BatchNorm (plain buffers), images padded and
-# stacked by the data preprocessor (mmengine's stack_batch), which is a top-level config key.
-@MODELS.register_module(force=True)
-class ConvBNClassifier(BaseModel):
-    def __init__(self, data_preprocessor=None, width=8, classes=4, sync_bn=False):
-        super().__init__(data_preprocessor=data_preprocessor)
-        norm = nn.SyncBatchNorm if sync_bn else nn.BatchNorm2d
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), norm(width), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), norm(width), nn.ReLU())
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, inputs, data_samples=None, mode='tensor'):
-        logits = self.head(self.block(self.stem(inputs)).mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=F.cross_entropy(logits, torch.as_tensor(data_samples)))
-        return logits
-
-
-@DATASETS.register_module(force=True)
-class TinyImages(Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        return dict(inputs=torch.full((3, 32, 32), i, dtype=torch.uint8), data_samples=i % 4)
-
-
 @DATASETS.register_module(force=True)
 class ImagesNotHere(Dataset):  # as mmpretrain's ImageNet without data/imagenet
     def __init__(self, data_root='data/imagenet'):
         raise FileNotFoundError(f"No such file or directory: '{data_root}/train'")
 
 
-PREPROCESSOR = dict(type='ImgDataPreprocessor', mean=[123.675, 116.28, 103.53],
-                    std=[58.395, 57.12, 57.375])
-IMAGES = dict(batch_size=4, dataset=dict(type='TinyImages'),
-              collate_fn=dict(type='pseudo_collate'))
 FSDP2_BF16 = dict(type='mmfsdp.MMFullyShard', mixed_precision=dict(param_dtype='bf16'))
 
 
 def test_the_plan_of_a_vision_config_has_its_step_and_top_level_preprocessor(tmp_path):
     config = tmp_path / 'convbn.py'
     config.write_text(
-        "custom_imports = dict(imports=['test_plan_peak'], allow_failed_imports=False)\n"
+        "custom_imports = dict(imports=['vision'], allow_failed_imports=False)\n"
         "model = dict(type='ConvBNClassifier')\n"
         f'data_preprocessor = {PREPROCESSOR!r}\n'
         f'train_dataloader = {IMAGES!r}\n'

@@ -1,4 +1,4 @@
-"""Wrap policies: registry names, options, checks against the model, and the unit plan."""
+"""FSDP1 wraps exactly the units its wrap policy plans."""
 import copy
 import datetime
 
@@ -10,11 +10,6 @@ from mmfsdp.policies import build_wrap_policy, plan_units
 from mmfsdp.registry import FSDP_WRAP_POLICIES
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from toy import ToyBlock, ToyClassifier
-
-
-@pytest.fixture
-def model():
-    return ToyClassifier(dim=16, depth=3)
 
 
 def _fsdp1_units(policy_cfg):

@@ -135,6 +135,10 @@ def test_read_path_refuses_crafted_metadata_naming_the_global_and_the_switch(cra
     assert '.metadata' in message and 'allow_unsafe_checkpoints = True' in message
 
 
+def test_read_path_executes_nothing_from_crafted_metadata(crafted_read):
+    assert not crafted_read['executed']
+
+
 @pytest.mark.parametrize('read', sorted(READ_PATHS))
 def test_read_path_loads_a_checkpoint_the_installed_torch_wrote(written, tmp_path, read):
     assert READ_PATHS[read](_copy(written, str(tmp_path)), str(tmp_path)) is None
@@ -146,6 +150,48 @@ def test_opted_in_load_reads_crafted_metadata_with_pickle_and_warns(written, tmp
     with pytest.warns(UserWarning, match='allow_unsafe_checkpoints=True'):
         _runner(str(tmp_path / 'loaded'), load_from=path, allow_unsafe_checkpoints=True).train()
     assert marker.exists()  # as torch's reader does: the user trusts this file
+
+
+def _save_entries(state: dict, path: str) -> None:
+    with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
+        warnings.simplefilter('ignore')
+        dcp.save(state, checkpoint_id=path)
+
+
+def test_pickled_entry_that_needs_a_global_is_refused_and_not_executed(written, tmp_path):
+    # DCP stores a non-tensor value as a pickle and reads it with weights_only=False
+    marker = tmp_path / 'created-by-unpickling'
+    path = _copy(written, str(tmp_path))
+    entries = read_all_shards(path)
+    for name in os.listdir(path):
+        if name.endswith(('.metadata', '.distcp')):
+            os.remove(os.path.join(path, name))
+    _save_entries(dict(entries, payload=CreatesFile(str(marker))), path)
+    with pytest.raises(UnsafeCheckpointError, match=f"entry 'payload'.*{OPEN}"):
+        consolidate(path, str(tmp_path / 'full.pth'))
+    assert not marker.exists()
+
+
+def test_pickled_entries_of_plain_values_load(tmp_path):
+    saved = dict(weights=torch.arange(3.0), step=3, names=['a', 'b'])
+    _save_entries(saved, str(tmp_path / 'plain'))
+    loaded = read_all_shards(str(tmp_path / 'plain'))
+    assert loaded['step'] == 3 and loaded['names'] == ['a', 'b']
+    assert torch.equal(loaded['weights'], saved['weights'])
+
+
+class Evil:
+    """A class ``weights_only`` loading does not know."""
+
+
+def test_refused_pth_names_the_rejected_global(tmp_path):
+    path = str(tmp_path / 'evil.pth')
+    torch.save(dict(state_dict={}, payload=Evil()), path)
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_file(path)
+    message = str(refused.value)
+    assert f'{Evil.__module__}.{Evil.__qualname__}' in message
+    assert 'Check the documentation' not in message and 'allow_unsafe_checkpoints = True' in message
 
 
 def test_consolidate_command_opts_in_with_its_own_flag(written, tmp_path):

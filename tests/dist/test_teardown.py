@@ -2,7 +2,8 @@
 
 The abort this prevents is a race at interpreter exit (a gloo worker releasing
 a finished collective while the interpreter finalizes); its rate before and
-after is measured by ``python -m benchmarks.exit_stress``, not timed here.
+after was measured by ``benchmarks/exit_stress.py`` (removed since; docs/contributing.md
+has its numbers), not timed here.
 These tests pin what the teardown guarantees once it returns.
 """
 import datetime

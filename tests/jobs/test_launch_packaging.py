@@ -1,13 +1,10 @@
-"""Packaging for mim and for other projects' configs, checked without openmim.
+"""Packaging for mim and for other projects' configs, in a wheel and from another directory.
 
-mim (``mim train mmfsdp CONFIG``) runs ``<package>/.mim/tools/train.py`` and
-finds configs under ``<package>/.mim/configs``; mmengine resolves
-``_base_ = ['mmfsdp::PATH']`` to ``<package>/.mim/configs/PATH`` after reading
-``<package>/.mim/model-index.yml``. These tests check that layout in the
-working tree (what an editable install serves), in a wheel built from it (what
-a regular install copies), and that a config in another directory inherits
-ours through whichever mmfsdp this interpreter imports (the editable install in
-CI, else the working tree on PYTHONPATH).
+A wheel built from the working tree (what a regular install copies) holds
+``<package>/.mim/configs`` and ``tools``; a config in another directory inherits
+ours through ``_base_ = ['mmfsdp::PATH']`` with whichever mmfsdp this interpreter
+imports (the editable install in CI, else the working tree on PYTHONPATH).
+Checked without openmim.
 """
 import importlib.metadata
 import json

@@ -82,6 +82,12 @@ class ToyClassifier(BaseModel):
 
 
 @DATASETS.register_module()
+def meta_toy() -> 'ToyClassifier':
+    """A ``ToyClassifier`` on the meta device: shapes for the plan, no storage."""
+    with torch.device('meta'):
+        return ToyClassifier()
+
+
 class ToyDataset(Dataset):
     """Inputs from a seeded generator; labels from a fixed random projection."""
 

@@ -1,12 +1,11 @@
-"""fp16 AMP on CPU with a shard-aware loss scaler; its state survives a resume."""
+"""``mmfsdp.AmpOptimWrapper`` built without a process: on a CPU-only machine, with every dtype
+mmengine's takes, refusing an unknown loss scale.
+"""
 import pytest
 import torch
 
 import contract_models  # noqa: F401  (registers the models)
 from toy import ToyClassifier
-
-AMP = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
-           optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=1.0))
 
 
 def test_amp_wrapper_builds_on_a_cpu_only_machine():

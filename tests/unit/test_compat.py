@@ -92,6 +92,11 @@ def test_runner_steps_route_the_private_step_to_its_public_name():
     assert calls == ['init_model_weights']
 
 
+def test_runner_keeps_load_from_and_resume_privately(runner):
+    assert compat.load_from(runner) == 'missing.pth', 'Runner no longer keeps _load_from'
+    assert compat.resume_requested(runner) is True, 'Runner no longer keeps _resume'
+
+
 def test_load_or_resume_skips_a_loaded_checkpoint_by_has_loaded(runner):
     assert runner._has_loaded is False, 'Runner.__init__ no longer sets _has_loaded'
     compat.mark_checkpoint_loaded(runner)

@@ -1,7 +1,6 @@
-"""Saves survive crashes on disk: fsync, rename-aside; a run removes only what it wrote.
+"""Saves survive crashes on disk: fsync, rename-aside, and the clean-up of one run's temporaries.
 
-Single-process tests on real files; the last one trains a real 1-process
-``FSDPRunner`` into a work dir that looks like a crashed run's.
+Real files, no process.
 """
 import os
 

@@ -1,28 +1,16 @@
-"""The sharding plan: exact bytes per rank before launch, checked against a real run."""
+"""The sharding plan's arithmetic on meta-device models: every parameter once, shards shrinking
+with the world size, warnings for plans that do not shard.
+"""
 
 import torch
 from torch import nn
 
 from mmfsdp.plan import format_plan, plan_for, plan_to_dict
-from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
-from toy import ToyClassifier
+from mmfsdp.wrappers import MMFullyShardedDataParallel
+from toy import FSDP1, meta_toy
 
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
-BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 ADAMW = dict(type='AdamW', lr=1e-2)
-#: name -> (wrapper class, model_wrapper_cfg)
-WRAPPERS = {
-    'fsdp/full_shard': (MMFullyShardedDataParallel, dict(type=FSDP, auto_wrap_policy=BLOCKS)),
-    'fsdp/shard_grad_op': (MMFullyShardedDataParallel, dict(
-        type=FSDP, auto_wrap_policy=BLOCKS, sharding_strategy='SHARD_GRAD_OP')),
-    'fsdp2': (MMFullyShard, dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS)),
-    'ddp': (MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel')),
-}
-
-
-def _meta_toy() -> nn.Module:
-    with torch.device('meta'):
-        return ToyClassifier()
 
 
 def test_plan_of_the_demo_gpt_counts_every_parameter_once():
@@ -42,8 +30,8 @@ def test_plan_of_the_demo_gpt_counts_every_parameter_once():
 
 
 def test_full_shard_model_states_shrink_with_world_size():
-    wrapper = WRAPPERS['fsdp/full_shard'][1]
-    one, eight = (plan_for(MMFullyShardedDataParallel, wrapper, _meta_toy(), n, ADAMW)
+    wrapper = FSDP1
+    one, eight = (plan_for(MMFullyShardedDataParallel, wrapper, meta_toy(), n, ADAMW)
                   for n in (1, 8))
     assert one.model_state_bytes_per_rank == one.unsharded_bytes == 16 * one.numel
     assert eight.model_state_bytes_per_rank <= 1.05 * 16 * eight.numel / 8 + 8 * 4 * 4 * 5
@@ -51,7 +39,7 @@ def test_full_shard_model_states_shrink_with_world_size():
 
 def test_a_plan_that_keeps_most_parameters_in_the_root_warns():
     wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['LayerNorm']))
-    plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, _meta_toy(), 2, ADAMW))
+    plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, meta_toy(), 2, ADAMW))
     assert any('root unit keeps' in w and 'layer_cls' in w for w in plan['warnings'])
 
 

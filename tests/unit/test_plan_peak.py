@@ -1,19 +1,15 @@
-"""The plan's step peak: activations traced with fake tensors, what-ifs, --fit-memory, truth."""
+"""The plan's step peak: activations traced with fake tensors, the parts of a peak, budgets."""
 import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
-from torch import nn
-from torch.utils.data import Dataset
 
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
 from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
+from vision import IMAGES, PREPROCESSOR, ConvBNClassifier
 
 BLOCKS = dict(type='transformer', layer_cls=['TransformerBlock'])
 FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
@@ -172,37 +168,6 @@ def test_sizes_read_as_budgets():
         parse_bytes('24 gigs')
 
 
-# A vision model as mmpretrain's configs give it: BatchNorm (plain buffers), images padded and
-# stacked by the data preprocessor (mmengine's stack_batch), which is a top-level config key.
-@MODELS.register_module(force=True)
-class ConvBNClassifier(BaseModel):
-    def __init__(self, data_preprocessor=None, width=8, classes=4, sync_bn=False):
-        super().__init__(data_preprocessor=data_preprocessor)
-        norm = nn.SyncBatchNorm if sync_bn else nn.BatchNorm2d
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), norm(width), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), norm(width), nn.ReLU())
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, inputs, data_samples=None, mode='tensor'):
-        logits = self.head(self.block(self.stem(inputs)).mean((2, 3)))
-        if mode == 'loss':
-            return dict(loss=F.cross_entropy(logits, torch.as_tensor(data_samples)))
-        return logits
-
-
-@DATASETS.register_module(force=True)
-class TinyImages(Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        return dict(inputs=torch.full((3, 32, 32), i, dtype=torch.uint8), data_samples=i % 4)
-
-
-PREPROCESSOR = dict(type='ImgDataPreprocessor', mean=[123.675, 116.28, 103.53],
-                    std=[58.395, 57.12, 57.375])
-IMAGES = dict(batch_size=4, dataset=dict(type='TinyImages'),
-              collate_fn=dict(type='pseudo_collate'))
 FSDP2_BF16 = dict(type='mmfsdp.MMFullyShard', mixed_precision=dict(param_dtype='bf16'))
 
 

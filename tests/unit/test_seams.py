@@ -1,14 +1,9 @@
-"""The seams between mmfsdp's parts, made explicit.
+"""The seams between mmfsdp's parts that need no process group.
 
 - one wrapper protocol (:mod:`mmfsdp.wrappers.base`): a wrapper missing a member
-  cannot be built; a config is resolved once and the model walked once per process;
-- wrapping in ``train()`` checks that the optimizer is built and the weights
-  are initialised: mmengine's order works, a changed order raises
-  (:class:`mmfsdp.runner.WrapPreconditions`); ``FlexibleRunner`` is refused like the stock Runner;
-- ``MMFullyShard`` names everything as the unwrapped model does;
-- one optim-wrapper iterator; FSDP1 and FSDP2 cut a model into the same units.
-
-The multi-process checks share one 2-process group.
+  cannot be built; other wrappers are driven as mmengine drives them;
+- one optim-wrapper iterator; FSDP1 and FSDP2 cut a model into the same units;
+- the wrap preconditions apply in ``train()`` only.
 """
 
 import pytest
