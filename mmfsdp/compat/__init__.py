@@ -1,7 +1,8 @@
 """The one place mmfsdp touches private mmengine or torch API.
 
-Each use carries a one-line ``# why:`` and ``tests/test_compat.py`` has a test per
-internal. The torch version floor is checked first, on import.
+Each use carries a one-line ``# why:`` and ``tests/unit/test_compat.py`` has a test per
+internal (``tests/dist/test_compat.py`` for gloo's worker threads, which need a group).
+The torch version floor is checked first, on import.
 """
 from .version import (
     MIN_TORCH,

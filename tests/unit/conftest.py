@@ -42,16 +42,21 @@ def _refuse_process_starts(event: str, args: tuple) -> None:
 sys.addaudithook(_refuse_process_starts)
 
 
+# The setup and teardown hooks of a conftest apply to the items below it only (pytest calls
+# them through ``item.ihook``), and they enclose every fixture's setup and teardown.
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Refuse process starts from the first fixture's setup to the last one's teardown."""
+def pytest_runtest_setup(item):
     global _in_unit_test
     _in_unit_test = True
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    global _in_unit_test
     try:
         return (yield)
     finally:
         _in_unit_test = False
-
-
-def pytest_runtest_teardown(item, nextitem):
-    assert not dist.is_initialized(), 'a unit test left a process group: it belongs in tests/dist'
+        assert not dist.is_initialized(), (
+            'a unit test left a process group: it belongs in tests/dist')

@@ -1,5 +1,5 @@
 # Python-style twin of configs/_base_/models/gpt_nano.py (kept equal by
-# tests/test_launch_configs.py). ~0.83M-parameter byte-level GPT: 4 blocks of
+# tests/unit/test_launch_configs.py). ~0.83M-parameter byte-level GPT: 4 blocks of
 # width 128, context 64; block_size must match the dataset's.
 from mmfsdp.demo import GPT
 
