@@ -81,13 +81,13 @@ class ToyClassifier(BaseModel):
         return logits
 
 
-@DATASETS.register_module()
 def meta_toy() -> 'ToyClassifier':
     """A ``ToyClassifier`` on the meta device: shapes for the plan, no storage."""
     with torch.device('meta'):
         return ToyClassifier()
 
 
+@DATASETS.register_module()
 class ToyDataset(Dataset):
     """Inputs from a seeded generator; labels from a fixed random projection."""
 
