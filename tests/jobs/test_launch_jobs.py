@@ -1,4 +1,4 @@
-"""The README's launch commands, run for real on shortened schedules.
+"""The documented launch commands (docs/launching.md), run for real on shortened schedules.
 
 Each test starts the job the way a user does (``tools/dist_train.sh`` with
 torchrun, ``tools/train.py`` on one process, ``tools/slurm_train.sh`` under

@@ -1,4 +1,4 @@
-"""The optional zoo tier: ``pytest -m zoo tests/zoo`` (see the README, "Tests")."""
+"""The optional zoo tier: ``pytest -m zoo tests/zoo`` (docs/contributing.md, the test tiers)."""
 import sys
 from pathlib import Path
 
