@@ -271,5 +271,3 @@ def test_hybrid_accumulation_resumes_exactly(hybrid_runs):
     resumed = hybrid_runs['resumed']
     assert resumed['iter'] == MAX_ITERS
     assert max_abs_diff(resumed['state'], hybrid_runs['hybrid']['state']) == 0
-
-

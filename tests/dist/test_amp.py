@@ -134,5 +134,3 @@ def test_scaler_state_is_saved_and_resumed(ranks, key):
         diff = max((resumed['state'][k] - straight['state'][k]).abs().max().item()
                    for k in straight['state'])
         assert diff <= 1e-6
-
-

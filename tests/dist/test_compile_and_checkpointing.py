@@ -13,9 +13,7 @@ import torch
 
 from harness import max_abs_diff, run_distributed
 from toy import (
-    IN_DIM,
     WRAPPERS,
-    ToyClassifier,
     checkpointing_config,
     runner_config,
     train_one_process,
@@ -133,8 +131,3 @@ def test_the_named_layers_are_compiled(runs, wrapper, combination):
     run = runs[wrapper, combination]
     # 3 blocks x (4 iterations + 2 resumed), as graph pieces where the wrapper's hooks break it
     assert run['compiled_calls'] >= 3 * (ITERS + ITERS - INTERVAL)
-
-
-# ---- what each mode keeps (one process, no process group) --------------------------------
-
-

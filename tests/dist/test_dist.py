@@ -16,10 +16,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from harness import DIST_CFG, REPO, run_distributed
-from mmfsdp.checkpoint.state import full_state_on_rank0
-from mmfsdp.compat import MIN_TORCH, check_torch_version, parse_version
-from mmfsdp.dist import export_launcher_env, local_world_size, select_backend, select_device
+from harness import DIST_CFG, run_distributed
 from toy import runner_config
 
 CUDA0, CPU = torch.device('cuda', 0), torch.device('cpu')

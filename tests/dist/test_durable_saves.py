@@ -5,12 +5,6 @@ import shutil
 import torch
 from mmengine.config import Config
 
-from mmfsdp.checkpoint.durable import (
-    remove_stale_temporaries,
-    replace_path,
-    save_atomically,
-    temporary_path,
-)
 from toy import runner_config
 
 

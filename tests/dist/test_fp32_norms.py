@@ -14,15 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from vision import GroupNormNet, TinyResNet, tiny_resnet
 from harness import max_abs_diff, raised, run_distributed
 from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
-from mmfsdp.plan.memory import make_plan
-from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
+from vision import GroupNormNet, TinyResNet, tiny_resnet
 
 WORLD_SIZE = 2
 PER_RANK_BATCH = 4
@@ -265,7 +263,7 @@ def test_a_group_with_mixed_dtypes_is_refused_before_torch_asserts(distributed):
         assert result['156784/default'] == (None, None)
 
 
-# ------------------------------------------------------------------ resolution (no processes)
+# ------------------------------------------------------------------ the yardstick
 
 
 def test_reference_is_deterministic():

@@ -8,13 +8,12 @@ import sys
 import pytest
 import torch
 from mmengine.config import Config
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from harness import REPO, run_distributed
-from mmfsdp.plan import Padding, format_plan, plan_for, plan_to_dict
+from mmfsdp.plan import Padding, plan_for
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
-from toy import ToyClassifier, meta_toy, runner_config
+from toy import meta_toy, runner_config
 
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])

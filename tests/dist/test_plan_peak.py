@@ -1,28 +1,20 @@
 """The plan's step peak through ``python -m mmfsdp.plan``: the launch's allocator, what-ifs,
 ``--fit-memory``, vision configs.
 """
-import functools
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
-import torch.nn.functional as F
-from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
+from mmengine.registry import DATASETS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
-from vision import ConvBNClassifier, IMAGES, PREPROCESSOR
 from harness import REPO, SUPPORT
-from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
-from mmfsdp.plan.batch import config_batch, shape_batch
-from mmfsdp.plan.fit import parse_bytes
 from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
-from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
+from vision import IMAGES, PREPROCESSOR
 
 CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'
 
@@ -216,5 +208,3 @@ def test_fit_memory_on_a_vision_config(tmp_path, capsys):
                                          r'FileNotFoundError.*--input-shape'):
         _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB', '--cfg-options',
               'train_dataloader.dataset.type=ImagesNotHere')
-
-

@@ -1,15 +1,9 @@
 """FSDP1 wraps exactly the units its wrap policy plans."""
-import copy
 import datetime
-
-import pytest
-from torch import nn
 
 from harness import COLLECTIVE_TIMEOUT_S, run_distributed
 from mmfsdp.policies import build_wrap_policy, plan_units
-from mmfsdp.registry import FSDP_WRAP_POLICIES
-from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
-from toy import ToyBlock, ToyClassifier
+from toy import ToyClassifier
 
 
 def _fsdp1_units(policy_cfg):

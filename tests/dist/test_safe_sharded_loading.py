@@ -18,13 +18,13 @@ from typing import Callable, Dict, Optional
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from payloads import CreatesFile
 
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import UnsafeCheckpointError, load_file
 from mmfsdp.checkpoint.safe_io import SafeFileSystemReader, read_all_shards
 from mmfsdp.consolidate import consolidate
 from mmfsdp.ema import EMAHook
+from payloads import CreatesFile
 from toy import FSDP1, checkpointing_config
 
 ITERS = 2

@@ -12,8 +12,6 @@ import collections
 import pytest
 import torch
 from mmengine.config import Config
-from mmengine.model import MMDistributedDataParallel as MMEngineDDP
-from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.runner import Runner
 from torch import nn
 
@@ -22,13 +20,8 @@ from mmfsdp import (
     MMDistributedDataParallel,
     MMFullyShard,
 )
-from mmfsdp.optim import named_optim_wrappers
-from mmfsdp.plan import plan_for
 from mmfsdp.registry import FSDP_WRAP_POLICIES
-from mmfsdp.runner import LifecycleError, WrapPreconditions
-from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
-from mmfsdp.wrappers.base import ParallelWrapper, is_parallel_wrapper
-from mmfsdp.wrappers.builder import resolve_wrapper
+from mmfsdp.wrappers import FullyShardConfig
 from toy import ToyBlock, ToyClassifier, runner_config
 
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])

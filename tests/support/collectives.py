@@ -130,4 +130,3 @@ class CollectiveCounter:
             else:
                 setattr(dist.ProcessGroup, name, original)
         self._originals.clear()
-

@@ -15,9 +15,6 @@ def _wrapper(kind: str, mode: str, **extra) -> dict:
     return dict(type=kind, auto_wrap_policy=BLOCKS, accumulation=mode, **extra)
 
 
-# ---- hybrid sharding: 2 replicas x 2 shards ----------------------------------------------
-
-
 def test_fsdp1_refuses_hybrid_accumulation_naming_fsdp2():
     from mmfsdp.wrappers.fsdp import FSDPConfig
     with pytest.raises(ValueError, match=r"accumulation='hybrid'.*FSDP1.*MMFullyShard"):

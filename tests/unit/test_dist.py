@@ -106,5 +106,3 @@ def test_installed_torch_passes_the_guard_and_requirements_agree():
     assert parse_version(torch.__version__) >= MIN_TORCH
     with open(REPO / 'requirements.txt') as f:
         assert 'torch>=2.8' in f.read().split()
-
-

@@ -71,5 +71,3 @@ def test_temporaries_carry_the_token(tmp_path):
         tmp_path / 'runa-iter_2.pth.tmp')
     assert temporary_path(str(tmp_path / 'iter_2.pth') + '/', 'runa', '.old.tmp') == str(
         tmp_path / 'runa-iter_2.pth.old.tmp')
-
-

@@ -21,17 +21,6 @@ BF16 = dict(param_dtype='bf16', reduce_dtype='fp32')
 BLOCKS = dict(type='transformer', layer_cls=['Block'])
 
 
-# ------------------------------------------------------------------ in the processes
-
-
-# ------------------------------------------------------------------ one-process reference
-
-
-# ------------------------------------------------------------------ distributed checks
-
-
-# ------------------------------------------------------------------ resolution (no processes)
-
 def test_default_keeps_every_batch_norm():
     for config in (FullyShardConfig, FSDPConfig):
         cfg = config.from_dict(dict(mixed_precision=BF16))
@@ -126,5 +115,3 @@ def test_the_plan_counts_kept_modules_in_fp32():
         assert units['blocks.0'].numel == 2 * 8 * 8 * 9  # the convolutions only
         assert units['blocks.0'].gathered_bytes == 2 * 8 * 8 * 9 * 2  # bf16
         assert units[''].numel == 3 * 8 * 9 + 8 * 4 + 4  # stem + head; its BN is a unit
-
-

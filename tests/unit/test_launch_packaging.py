@@ -36,5 +36,3 @@ def test_model_index_lists_every_top_level_config():
         listed |= {m['Config'] for m in models}
         assert all({'Name', 'In Collection', 'Config'} <= set(m) for m in models)
     assert listed == _top_level_configs()
-
-

@@ -49,5 +49,3 @@ def test_a_plan_with_too_many_units_warns():
     wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['Linear']))
     plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, model, 2, ADAMW))
     assert any('1001 units' in w and 'min_num_params' in w for w in plan['warnings'])
-
-

@@ -125,5 +125,3 @@ def test_building_a_policy_leaves_the_config_unchanged(model):
 
 def test_builtin_policies_are_registered():
     assert {'size_based', 'transformer', 'module_types'} <= set(FSDP_WRAP_POLICIES.module_dict)
-
-

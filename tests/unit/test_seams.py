@@ -76,8 +76,3 @@ def test_wrap_preconditions_apply_in_train_only():
         pre.check(dict(type='OptimWrapper'))
     assert 'optim wrapper is not built' in str(info.value)
     assert 'weights are not initialised' in str(info.value)
-
-
-# ---- one 2-process group -------------------------------------------------------------------
-
-
