@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from harness import REPO
+
 pytestmark = pytest.mark.bench
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ['--seq-len', '32']
 SMOKE = {
     'memory': (['--models', 'gpt-tiny', '--world-sizes', '2', '--strategies', 'FSDP2 reshard',

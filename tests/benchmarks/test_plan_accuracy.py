@@ -6,14 +6,14 @@ section 12 measures it: under glibc with the benchmarks' 1 MiB mmap threshold, a
 under jemalloc preloaded as ``tools/dist_train.sh`` preloads it where it is installed.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from harness import REPO
+
 pytestmark = pytest.mark.bench
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize('cpu_allocator', ['glibc', 'jemalloc'])
