@@ -34,13 +34,15 @@ from .durable import remove_path, replace_path, save_atomically, write_text_atom
 from .safe_io import ENCODING_KEY, load_file
 from .state import is_sharded_checkpoint, resolve_state_dict_type
 
-__all__ = ['CheckpointHook', 'DEFAULT_SAVE_TIMEOUT_S', 'SAVE_OPTIONS', 'check_save_options',
-           'publish', 'resolve_save_timeout']
+__all__ = ['CheckpointHook', 'DEFAULT_SAVE_TIMEOUT_S', 'EXPIRED_KEY', 'SAVE_OPTIONS',
+           'check_save_options', 'publish', 'resolve_save_timeout']
 
 #: How long the other ranks wait for rank 0 to write a checkpoint, by default: generous,
 #: as it bounds only a slow but live save (a failing rank fails the others at once); the
 #: process group's timeout is sized for collectives and would kill a healthy multi-GB save.
 DEFAULT_SAVE_TIMEOUT_S = 3600.0
+#: Message hub key: the step whose checkpoint ``max_keep_ckpts`` expired, until it is deleted.
+EXPIRED_KEY = 'expired_ckpt_ids'
 
 
 def resolve_save_timeout(value: Any) -> float:
@@ -108,7 +110,17 @@ class CheckpointHook(CheckpointHookSteps):
         check_save_options(self.save_kwargs)
 
     def before_train(self, runner) -> None:
-        """The stock set-up, without two deprecation notices about mmengine's own code.
+        """The stock set-up, then delete the checkpoint a resumed run had expired, if still there.
+
+        (A crash between a save and the deletion it allows leaves it.)
+        """
+        self._stock_before_train(runner)
+        expired = runner.message_hub.runtime_info.get(EXPIRED_KEY)
+        if self.max_keep_ckpts > 0 and expired:
+            self._remove_expired(runner, expired)
+
+    def _stock_before_train(self, runner) -> None:
+        """The stock ``before_train``, without two deprecation notices about mmengine's own code.
 
         mmengine builds an unused ``FileClient`` even when ``file_client_args``
         is unset, which logs that ``FileClient`` and ``HardDiskBackend`` are
@@ -129,9 +141,9 @@ class CheckpointHook(CheckpointHookSteps):
     def save_checkpoint_with_step(self, runner, step, meta) -> None:
         """The stock bookkeeping and save, then repoint, then delete the expired checkpoint.
 
-        Until deleted, the expired checkpoint stays first in the saved
-        ``keep_ckpt_ids``: after a crash in between, the resumed run's stock
-        ``before_train`` finds one id too many and deletes it, as mmengine does.
+        ``keep_ckpt_ids`` is the stock list; until deleted, the expired
+        checkpoint is recorded apart (:data:`EXPIRED_KEY`), so that after a
+        crash in between the resumed run deletes it (:meth:`before_train`).
         After an asynchronous save, repointing and deleting wait until the
         checkpoint is published; a save still in flight is published first,
         so that the bookkeeping sees what a synchronous run would.
@@ -142,9 +154,9 @@ class CheckpointHook(CheckpointHookSteps):
             kept = self.kept_steps
             if len(kept) == self.max_keep_ckpts:
                 expired = kept.popleft()
+                runner.message_hub.update_info(EXPIRED_KEY, [expired])
             kept.append(step)
-            pending = ([expired] if expired is not None else []) + list(kept)
-            runner.message_hub.update_info('keep_ckpt_ids', pending)
+            runner.message_hub.update_info('keep_ckpt_ids', list(kept))
 
         filename = self.checkpoint_name(step)
         self.last_ckpt = self.checkpoint_path(filename)
@@ -168,10 +180,16 @@ class CheckpointHook(CheckpointHookSteps):
         with fail_together(f'updating {pointer} after saving {os.path.basename(path)}'):
             if is_main_process():
                 write_text_atomically(path, pointer)
-                if expired is not None:
-                    remove_path(self.checkpoint_path(self.checkpoint_name(expired)))
         if expired is not None:
-            runner.message_hub.update_info('keep_ckpt_ids', list(self.kept_steps))
+            self._remove_expired(runner, [expired])
+
+    def _remove_expired(self, runner, steps: Sequence[int]) -> None:
+        """Delete the checkpoints of ``steps`` that ``max_keep_ckpts`` expired, and forget them."""
+        with fail_together(f'removing the expired checkpoints of steps {list(steps)}'):
+            if is_main_process():
+                for step in steps:
+                    remove_path(self.checkpoint_path(self.checkpoint_name(step)))
+        runner.message_hub.pop_info(EXPIRED_KEY, None)
 
     def save_best_checkpoint(self, runner, metrics) -> None:
         """The stock ``save_best``, but with the hook's ``state_dict_type`` and new before old.

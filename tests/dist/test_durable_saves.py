@@ -25,8 +25,9 @@ def test_resumed_run_removes_what_the_crashed_run_left_and_nothing_else(tmp_path
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith('.pth')) == ['iter_4.pth']
     saved = torch.load(tmp_path / 'iter_4.pth')
     token = saved['meta']['temporary_tokens'][0]
-    # as mmengine's hook on resume: ids beyond max_keep_ckpts are deleted, the oldest first
-    assert saved['message_hub']['runtime_info']['keep_ckpt_ids'] == [2, 4]
+    # the stock list, and apart the one expired but (at save time) not yet deleted
+    assert saved['message_hub']['runtime_info']['keep_ckpt_ids'] == [4]
+    assert saved['message_hub']['runtime_info']['expired_ckpt_ids'] == [2]
     shutil.copy(tmp_path / 'iter_4.pth', tmp_path / 'iter_2.pth')  # not deleted: the crash
     (tmp_path / f'{token}-iter_5.pth.tmp').write_text('half a file')  # a crashed save
     foreign = ['iter_1.pth', 'iter_3.pth.tmp', 'runother-iter_5.pth.tmp', 'notes.tmp']
@@ -36,9 +37,31 @@ def test_resumed_run_removes_what_the_crashed_run_left_and_nothing_else(tmp_path
     left = sorted(n for n in os.listdir(tmp_path) if n.startswith('iter_') or n.endswith('.tmp'))
     assert left == sorted(foreign + ['iter_6.pth'])
     assert open(tmp_path / 'last_checkpoint').read() == str(tmp_path / 'iter_6.pth')
-    # iter_4 was deleted after iter_6 was saved: iter_6 lists it for a crash in between
-    assert torch.load(tmp_path / 'iter_6.pth')['message_hub']['runtime_info'][
-        'keep_ckpt_ids'] == [4, 6]
+    # iter_4 was deleted after iter_6 was saved: iter_6 names it for a crash in between
+    hub = torch.load(tmp_path / 'iter_6.pth')['message_hub']['runtime_info']
+    assert (hub['keep_ckpt_ids'], hub['expired_ckpt_ids']) == ([6], [4])
+
+
+def test_saved_keep_ckpt_ids_are_the_stock_hooks(tmp_path):
+    """A checkpoint records the ``keep_ckpt_ids`` mmengine's own hook records."""
+    from mmengine.runner import Runner
+
+    from mmfsdp import FSDPRunner
+    ddp = dict(type='mmfsdp.MMDistributedDataParallel')
+    for name, runner_cls, wrapper in (('stock', Runner, None), ('ours', FSDPRunner, ddp)):
+        cfg = runner_config(name, str(tmp_path / name), batch_size=4, max_iters=11,
+                            launcher='none', wrapper=wrapper)
+        cfg['default_hooks']['checkpoint'] = dict(type='CheckpointHook', interval=1,
+                                                  by_epoch=False, max_keep_ckpts=3)
+        runner_cls.from_cfg(Config(cfg)).train()
+    hubs = [torch.load(tmp_path / name / 'iter_11.pth', weights_only=False)['message_hub']
+            for name in ('stock', 'ours')]
+    stock, ours = (hub.runtime_info if hasattr(hub, 'runtime_info') else hub['runtime_info']
+                   for hub in hubs)
+    assert ours['keep_ckpt_ids'] == stock['keep_ckpt_ids'] == [9, 10, 11]
+    kept = [sorted(n for n in os.listdir(tmp_path / name) if n.endswith('.pth'))
+            for name in ('stock', 'ours')]
+    assert kept[0] == kept[1] == ['iter_10.pth', 'iter_11.pth', 'iter_9.pth']
 
 
 def test_a_new_run_deletes_no_earlier_checkpoint(tmp_path):
