@@ -107,7 +107,7 @@ def retarget_parameters(optim_wrapper: AnyOptimWrapper, names: Dict[int, str],
 
 
 def bind_optim_wrappers(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> None:
-    """Tell each optim wrapper that is a :class:`~mmfsdp.protocol.ModelBinding` (AMP) its model."""
+    """Tell each optim wrapper that is a :class:`~mmfsdp.optim.ModelBinding` (AMP) its model."""
     for wrapper in optim_wrappers(optim_wrapper):
         if isinstance(wrapper, ModelBinding):
             wrapper.bind_model(model)

@@ -4,7 +4,7 @@ As OpenMMLab's ``tools/test.py``: the model becomes ``tta_model`` (a
 ``BaseTTAModel``) around the configured model, and the test dataset's pipeline
 becomes ``tta_pipeline``. ``BaseTTAModel`` runs its own ``test_step``, so the
 wrappers shard its child ``module`` as a root of its own
-(:mod:`mmfsdp.wrappers.separate`); its checkpoint is the plain model's.
+(as any model with its own steps); its checkpoint is the plain model's.
 
 Config::
 
