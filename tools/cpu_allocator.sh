@@ -11,7 +11,7 @@
 # Why: FSDP allocates and frees every gathered unit and unsharded gradient each
 # step; glibc's heap keeps that memory resident and fragmented, so a rank's peak
 # stays near DDP's. jemalloc and tcmalloc reuse it by size and give pages back.
-# docs/benchmarks.md, section 9, has the measurements.
+# docs/benchmarks-archive.md (CPU allocator) has the measurements.
 #
 # Where: the folders torch's own CPU launcher searches
 # (python -m torch.backends.xeon.run_cpu --enable-jemalloc), plus Debian's and
