@@ -74,9 +74,9 @@ def test_every_test_the_text_names_exists(page):
 
 
 def test_every_marked_block_of_the_benchmarks_page_is_written_by_a_script():
-    """Each ``<!-- begin: NAME -->`` block is one a script in ``benchmarks/`` writes (a key of
-    the blocks it hands to ``records.finish``); a table no script refreshes belongs on
-    ``docs/benchmarks-archive.md``."""
+    """Each ``<!-- begin: NAME -->`` block is one a script in ``benchmarks/`` writes: NAME is a
+    string key of a dict there (the scripts hand their blocks to ``records.finish`` as one); a
+    table no script refreshes belongs on ``docs/benchmarks-archive.md``."""
     page = (REPO / 'docs' / 'benchmarks.md').read_text()
     begins = re.findall(r'^<!-- begin: (\S+) -->$', page, re.M)
     assert begins and begins == re.findall(r'^<!-- end: (\S+) -->$', page, re.M)
