@@ -30,7 +30,6 @@ import torch.distributed.checkpoint as dcp
 from mmengine.dist import is_main_process
 from mmengine.optim import OptimWrapper
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..dist import current_device
 from ..names import unwrapped_param_names
@@ -355,10 +355,9 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     temporaries of ``clean_tokens`` are removed after the rename.
     """
     tmp = _clear_temporary(path, token)
-    shards, param_groups = sharded_state(model, optim_wrapper)
-    shards.update(extra_shards or {})
+    shards, param_groups = _shards_to_write(model, optim_wrapper, extra_shards)
     with _single_process_is_intended():
-        dcp.save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner())
+        dcp.save(shards, checkpoint_id=tmp)
     with fail_together(f'saving checkpoint {path}', wait_s):
         if is_main_process():
             save_atomically(_with_param_groups(extra, param_groups),
@@ -380,12 +379,11 @@ def save_sharded_in_background(path: str, model: nn.Module,
     write (:meth:`~.background.BackgroundWrite.publish`). Collective.
     """
     tmp = _clear_temporary(path, token)
-    shards, param_groups = sharded_state(model, optim_wrapper)
-    shards.update(extra_shards or {})
+    shards, param_groups = _shards_to_write(model, optim_wrapper, extra_shards)
     meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
     with _single_process_is_intended():
-        upload = dcp.async_save(shards, checkpoint_id=tmp, planner=_rank0_replicas_planner(),
-                                process_group=writer_group(wait_s), async_stager=ShardStager())
+        upload = dcp.async_save(shards, checkpoint_id=tmp, process_group=writer_group(wait_s),
+                                async_stager=ShardStager())
     return BackgroundWrite(path, tmp, token, clean_tokens, wait_s,
                            write_meta_after(upload, meta, tmp, META_FILE))
 
@@ -404,17 +402,38 @@ def _with_param_groups(extra: Dict[str, Any], param_groups: Any) -> Dict[str, An
     return extra if param_groups is None else dict(extra, optimizer_param_groups=param_groups)
 
 
-def _rank0_replicas_planner() -> DefaultSavePlanner:
-    """DCP's save planner, keeping rank 0's copy of every entry that is not sharded.
+def _shards_to_write(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
+                     extra_shards: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Any]:
+    """The shards this rank saves (``extra_shards`` beside its own), and the param groups.
 
-    Buffers (BatchNorm's running statistics, the EMA's averaged buffers) and
-    other unsharded entries are on every rank, with values that may differ.
-    DCP writes one copy, by default the one of the rank with the smallest plan
-    so far (rank 1's in every run measured): a sharded save of a step would be
-    another model than the full save, which holds rank 0's. Rank 0 writing all
-    of them costs little: unsharded entries are small.
+    DCP writes an entry that several ranks hold once, by the rank with the
+    smallest plan so far: the writes of parameters and optimizer state, equal
+    on every rank that holds them (all under DDP, a shard's replicas in HSDP),
+    are spread over the ranks. Entries of the model that are not parameters
+    (BatchNorm's running statistics, EMAHook's averaged buffers beside them)
+    differ across ranks; only rank 0 offers them, so that a sharded checkpoint
+    holds rank 0's, as a full one does.
     """
-    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    shards, param_groups = sharded_state(model, optim_wrapper)
+    shards.update(extra_shards or {})
+    if dist.is_initialized() and dist.get_rank() != 0:
+        params = set(unwrapped_param_names(model).values())
+        rank0s = {k for k, v in shards['model'].items() if k not in params and not _sharded(v)}
+        shards = _without(shards, rank0s)
+    return shards, param_groups
+
+
+def _sharded(value: Any) -> bool:
+    """Whether ``value`` is one rank's part of a tensor (``DTensor``, FSDP1's ``ShardedTensor``)."""
+    return isinstance(value, DTensor) or callable(getattr(value, 'local_shards', None))
+
+
+def _without(node: Any, keys: Set[str]) -> Any:
+    """``node`` without the whole values it holds under ``keys``, at any depth."""
+    if not isinstance(node, dict):
+        return node
+    return {k: _without(v, keys) for k, v in node.items()
+            if k not in keys or isinstance(v, dict) or _sharded(v)}
 
 
 # Directories that every rank of this process's job was seen to share.
