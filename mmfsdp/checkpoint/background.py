@@ -20,7 +20,9 @@ A write that failed on any rank is raised on every rank at step 3, naming the
 rank and its error; nothing is renamed. A crash before step 3 leaves only the
 temporary, which auto-resume never picks. See ``docs/checkpoints.md``.
 """
+import collections
 import concurrent.futures
+import copy
 import datetime
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,8 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
+from ..compat import dtensor_like
 from ..options import resolve_flag
 from ..together import fail_together
 from .durable import remove_stale_temporaries, replace_path, save_atomically
@@ -64,51 +68,76 @@ def writer_group(timeout_s: float) -> Optional[dist.ProcessGroup]:
 
 
 class ShardStager(AsyncStager):
-    """DCP's staging (a private CPU copy of every tensor), FSDP1's ``ShardedTensor`` included.
+    """The copies of background saves (training may change the state), reused between saves.
 
-    torch 2.13's ``DefaultStager`` fails on a ``ShardedTensor`` ("torch function
-    'data_ptr' ... not supported"), and FSDP1's sharded state dicts are made of
-    them. Their local shards are copied here (the ``ShardedTensor`` itself is a
-    new object per ``state_dict()`` call, so its shards' tensors are swapped for
-    copies); everything else goes through ``DefaultStager``, synchronously.
+    One per runner. Each tensor of a save is copied to the CPU into the
+    previous save's copy at the same place when that has its shape, dtype and
+    strides: no allocation and no page faults, which were most of the time a
+    save blocks. Sharded saves go through :meth:`stage` (DCP's stager
+    protocol; FSDP1's ``ShardedTensor``, a new object per ``state_dict()``,
+    gets its local shards swapped for the copies: torch 2.13's
+    ``DefaultStager`` fails on it), full checkpoints through :meth:`copy`.
+    Copies are reused only once the write that read them (:meth:`written_by`)
+    is done, so a write never sees the next save's values.
     """
 
     _synchronize_after_execute = False
 
+    def __init__(self) -> None:
+        self._kept: Dict[str, Dict[Tuple[Any, ...], torch.Tensor]] = {}
+        self._reader: Optional[concurrent.futures.Future] = None
+
     def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """A copy of ``state_dict`` that training cannot change, on the CPU."""
-        kept: Dict[Tuple[Any, ...], Any] = {}
-        plain = _without_sharded_tensors(state_dict, (), kept)
-        stager = DefaultStager(StagingOptions(False, False, False, False))
-        try:
-            staged = stager.stage(plain)
-        finally:
-            stager.close()
-        for path, value in kept.items():
-            node = staged
-            for key in path[:-1]:
-                node = node[key]
-            node[path[-1]] = value
-        return staged
+        """A copy of a sharded save's ``state_dict`` that training cannot change, on the CPU."""
+        return self.copy(state_dict, 'shards')
+
+    def copy(self, tree: Any, kind: str = 'full') -> Any:
+        """A CPU copy of ``tree`` (dicts, lists and tuples of tensors and values).
+
+        ``kind`` names the saves whose copies are reused for each other.
+        """
+        if self._reader is not None and not self._reader.done():
+            self._kept = {}  # that write's wait timed out: it may still read them
+        previous, fresh = self._kept.get(kind, {}), {}
+        self._kept[kind] = fresh
+        by_id: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # aliases copied once
+
+        def tensor(path: Tuple[Any, ...], source: torch.Tensor) -> torch.Tensor:
+            if id(source) not in by_id:
+                old = previous.get(path)
+                fits = old is not None and (old.shape, old.dtype, old.stride()) == (
+                    source.shape, source.dtype, source.stride())
+                by_id[id(source)] = source, (old.copy_(source.detach()) if fits
+                                             else source.detach().to('cpu', copy=True))
+            fresh[path] = by_id[id(source)][1]
+            return fresh[path]
+
+        def walk(node: Any, path: Tuple[Any, ...]) -> Any:
+            if type(node) in (dict, collections.OrderedDict):
+                return type(node)((k, walk(v, path + (k,))) for k, v in node.items())
+            if type(node) in (list, tuple):
+                return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
+            if isinstance(node, DTensor):
+                return dtensor_like(node, tensor(path, node.to_local()))
+            if callable(getattr(node, 'local_shards', None)):  # FSDP1's ShardedTensor
+                for i, shard in enumerate(node.local_shards()):
+                    shard.tensor = tensor(path + (i,), shard.tensor)
+                return node
+            if type(node) is torch.Tensor:
+                return tensor(path, node)
+            return copy.deepcopy(node)
+
+        return walk(tree, ())
+
+    def written_by(self, future: Optional[concurrent.futures.Future]) -> None:
+        """The write that reads the last copy: its tensors are reused once it is done."""
+        self._reader = future
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies before it returns."""
 
     def close(self) -> None:
-        """Nothing to release."""
-
-
-def _without_sharded_tensors(node: Any, path: Tuple[Any, ...],
-                             kept: Dict[Tuple[Any, ...], Any]) -> Any:
-    """``node`` with each ``ShardedTensor`` replaced by ``None``, kept (its shards copied)."""
-    if isinstance(node, dict):
-        return {k: _without_sharded_tensors(v, path + (k,), kept) for k, v in node.items()}
-    if isinstance(node, torch.Tensor) and callable(getattr(node, 'local_shards', None)):
-        for shard in node.local_shards():
-            shard.tensor = shard.tensor.detach().to('cpu', copy=True)
-        kept[path] = node
-        return None
-    return node
+        """Nothing to release: the copies are kept for the next save."""
 
 
 def _run_in_thread(fn: Callable[[], None]) -> concurrent.futures.Future:

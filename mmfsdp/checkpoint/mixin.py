@@ -5,7 +5,6 @@ these take every rank through the gather or the scatter and keep the rest of
 mmengine's behaviour (meta, message hub, schedulers, hooks).
 """
 import atexit
-import copy
 import os
 import os.path as osp
 import time
@@ -23,7 +22,12 @@ from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
 from ..together import control_group, fail_together
-from .background import BackgroundWrite, resolve_async_save, write_file_in_background
+from .background import (
+    BackgroundWrite,
+    ShardStager,
+    resolve_async_save,
+    write_file_in_background,
+)
 from .durable import (
     find_complete_checkpoint,
     new_token,
@@ -148,7 +152,7 @@ class CheckpointMixin:
             if background:
                 self._in_flight = save_sharded_in_background(
                     path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards, token,
-                    clean)
+                    clean, self._stager())
                 _finish_at_exit(self)
             else:
                 save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
@@ -163,11 +167,18 @@ class CheckpointMixin:
         with fail_together(f'staging checkpoint {path}', wait_s):
             if is_main_process():
                 self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                staged = copy.deepcopy(self._safe_to_load(checkpoint))
+                staged = self._stager().copy(self._safe_to_load(checkpoint))
                 os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
                 future = write_file_in_background(staged, tmp)
+                self._stager().written_by(future)
         self._in_flight = BackgroundWrite(path, tmp, token, clean, wait_s, future)
         _finish_at_exit(self)
+
+    def _stager(self) -> ShardStager:
+        """The copies of the runner's background saves, kept for the next one."""
+        if getattr(self, '_staging', None) is None:
+            self._staging = ShardStager()
+        return self._staging
 
     def checkpoint_in_flight(self) -> Optional[str]:
         """The path of the checkpoint being written in the background, or ``None``."""

@@ -369,21 +369,24 @@ def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
 def save_sharded_in_background(path: str, model: nn.Module,
                                optim_wrapper: Optional[AnyOptimWrapper], extra: Dict[str, Any],
                                wait_s: float, extra_shards: Optional[Dict[str, Any]] = None,
-                               token: str = '', clean_tokens: Sequence[str] = ()
-                               ) -> BackgroundWrite:
+                               token: str = '', clean_tokens: Sequence[str] = (),
+                               stager: Optional[ShardStager] = None) -> BackgroundWrite:
     """:func:`save_sharded`, returning once the shards are staged (copied to this rank's CPU).
 
     DCP's ``async_save`` writes them to ``<token>-NAME.tmp/`` in a thread,
     coordinating on :func:`~.background.writer_group`; rank 0 then writes
     :data:`META_FILE`. Nothing is renamed: the caller publishes the returned
-    write (:meth:`~.background.BackgroundWrite.publish`). Collective.
+    write (:meth:`~.background.BackgroundWrite.publish`). ``stager`` (kept
+    between saves) reuses its copies. Collective.
     """
+    stager = stager or ShardStager()
     tmp = _clear_temporary(path, token)
     shards, param_groups = _shards_to_write(model, optim_wrapper, extra_shards)
     meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
     with _single_process_is_intended():
         upload = dcp.async_save(shards, checkpoint_id=tmp, process_group=writer_group(wait_s),
-                                async_stager=ShardStager())
+                                async_stager=stager)
+    stager.written_by(upload)
     return BackgroundWrite(path, tmp, token, clean_tokens, wait_s,
                            write_meta_after(upload, meta, tmp, META_FILE))
 

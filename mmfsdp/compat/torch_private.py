@@ -232,3 +232,20 @@ def load_whole_dcp(reader: Any) -> Dict[str, Any]:
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
     return state
+
+
+# ---- DCP's staging: a DTensor whose local part is a copy on another device ----
+
+__all__ += ['dtensor_like']
+
+
+def dtensor_like(dtensor: Any, local: torch.Tensor) -> Any:
+    """A ``DTensor`` laid out as ``dtensor`` (mesh, placements, shape) holding ``local``.
+
+    ``local`` may be on another device than the mesh's: a CPU copy of an
+    accelerator's shard, as DCP's own stager makes them for ``async_save``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    # why: DTensor.from_local moves ``local`` to the mesh's device; DCP's stager builds this way
+    return DTensor(local, dtensor._spec, requires_grad=False)

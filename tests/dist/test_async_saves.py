@@ -85,9 +85,45 @@ def _saved(path: str) -> dict:
                 iter=checkpoint['meta']['iter'])
 
 
+def _staged_tensors(tree, path: str = ''):
+    """``(path, tensor)`` of every tensor a staged copy holds (a shard's local part)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _staged_tensors(value, f'{path}/{key}')
+    elif callable(getattr(tree, 'local_shards', None)):  # FSDP1's ShardedTensor
+        for i, shard in enumerate(tree.local_shards()):
+            yield f'{path}/{i}', shard.tensor
+    elif isinstance(tree, torch.Tensor):
+        yield path, getattr(tree, 'to_local', lambda: tree)()
+
+
+#: This process's background saves since the last run began: each one's staged tensors (kept
+#: alive, so that no later copy can take their memory) by path.
+STAGED: list = []
+
+
+def _record_staging() -> None:
+    """From now on, append each background save's staged copy to :data:`STAGED`."""
+    from mmfsdp.checkpoint import mixin
+    from mmfsdp.checkpoint.background import ShardStager
+    stage, write = ShardStager.stage, mixin.write_file_in_background
+
+    def recorded_stage(self, state_dict):
+        copy = stage(self, state_dict)
+        STAGED.append(dict(_staged_tensors(copy)))
+        return copy
+
+    def recorded_write(obj, tmp):
+        STAGED.append(dict(_staged_tensors(obj)))
+        return write(obj, tmp)
+
+    ShardStager.stage, mixin.write_file_in_background = recorded_stage, recorded_write
+
+
 def _two_ranks(root: str) -> dict:
     from mmfsdp import FSDPRunner
     out = {}
+    _record_staging()
     for kind in KINDS:
         for background in (False, True):
             name = f'{kind}-{"async" if background else "sync"}'
@@ -95,12 +131,19 @@ def _two_ranks(root: str) -> dict:
             runner = FSDPRunner.from_cfg(_config(work_dir, kind, background, FIRST))
             visible = _Visible()
             runner.register_hook(visible)
+            STAGED.clear()
             runner.train()
             torch.distributed.barrier()
+            # per save after the first: whether each tensor that kept its place and shape
+            # (not the growing logs of the message hub) is in the memory of the one before
+            reused = [{k: t.untyped_storage().data_ptr() == earlier[k].untyped_storage().data_ptr()
+                       for k, t in later.items() if k in earlier and t.shape == earlier[k].shape}
+                      for earlier, later in zip(STAGED, STAGED[1:])]
             out[name] = dict(seen=visible.seen, files=sorted(
                 n for n in os.listdir(work_dir) if n.startswith('iter_') or n.endswith('.tmp')),
                 pointer=open(f'{work_dir}/last_checkpoint').read(),
-                saved=_saved(f'{work_dir}/iter_{FIRST}.pth') if runner.rank == 0 else None)
+                saved=_saved(f'{work_dir}/iter_{FIRST}.pth') if runner.rank == 0 else None,
+                staged=len(STAGED), reused=reused)
             resumed = FSDPRunner.from_cfg(_config(
                 f'{work_dir}-resumed', kind, background, TOTAL,
                 load_from=f'{work_dir}/iter_{FIRST}.pth', resume=True))
@@ -154,6 +197,22 @@ def test_async_checkpoint_appears_at_the_next_save_and_expired_ones_go_after(ran
         for run in (sync, background):
             assert run['files'] == ['iter_4.pth']
             assert run['pointer'].endswith('/iter_4.pth')
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_the_next_async_save_copies_into_the_last_ones_staged_tensors(ranks, kind):
+    """The save at iteration 4 stages into the memory of iteration 2's copy, allocating none.
+
+    Its values are the new ones: the checkpoint and its resume equal the synchronous ones.
+    """
+    for rank, result in enumerate(ranks):
+        run = result[f'{kind}-async']
+        if kind == 'full' and rank:  # rank 0 alone stages a full checkpoint
+            assert run['staged'] == 0
+            continue
+        assert run['staged'] == 2
+        [reused] = run['reused']
+        assert reused and all(reused.values()), [k for k, same in reused.items() if not same]
 
 
 def test_a_bad_async_save_is_refused_at_start_up_naming_key_value_and_choices(ranks):
