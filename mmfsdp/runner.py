@@ -245,14 +245,15 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         """The stock ``train()``, checking what precedes the wrap (:class:`WrapPreconditions`).
 
         A checkpoint still written in the background is published at the end
-        (its write error raised on every rank); if training fails, its write is
-        waited for and left unpublished (:meth:`abandon_checkpoint`).
+        (its write error raised on every rank); if training fails, rank 0
+        publishes it alone if its write completed on every rank
+        (:meth:`settle_checkpoint`: no collective after a failure).
         """
         with self._preconditions.phase('train'):
             try:
                 model = super().train()
             except BaseException:
-                self.abandon_checkpoint()
+                self.settle_checkpoint()
                 raise
             self.wait_for_checkpoint()
             return model

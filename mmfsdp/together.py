@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from .wrappers.base import Layout
     from .wrappers.builder import Wrapping
 
-__all__ = ['FIELDS', 'PeerFailure', 'RankDisagreement', 'UsageProbe', 'check_ranks_agree',
-           'check_same_parameters_used', 'control_group', 'fail_together', 'fingerprint']
+__all__ = ['FIELDS', 'PeerFailure', 'RankDisagreement', 'UsageProbe', 'alone',
+           'check_ranks_agree', 'check_same_parameters_used', 'control_group', 'fail_together',
+           'fingerprint']
 
 #: The longest error text sent to the other ranks.
 _MAX_MESSAGE = 2000
@@ -91,11 +92,28 @@ def _describe(error: BaseException) -> str:
     return f'{type(error).__name__}: {error}'[:_MAX_MESSAGE]
 
 
+_ALONE: List[bool] = []
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Inside, :func:`fail_together` runs its body and exchanges nothing.
+
+    For a rank that finishes work after another rank failed (rank 0 publishing
+    a checkpoint whose write completed): the others will join no collective.
+    """
+    _ALONE.append(True)
+    try:
+        yield
+    finally:
+        _ALONE.pop()
+
+
 @contextlib.contextmanager
 def fail_together(what: str, wait_s: Optional[float] = None) -> Iterator[None]:
     """Run the body on every rank; leave together; raise on every rank if any rank raised.
 
-    Without a process group (or with one rank) the body simply runs.
+    Without a process group, with one rank or inside :func:`alone` the body simply runs.
 
     Args:
         what: the section, in words, for the error message (``'saving
@@ -104,7 +122,7 @@ def fail_together(what: str, wait_s: Optional[float] = None) -> Iterator[None]:
             ``None``: the process group's timeout.
 
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _ALONE or not dist.is_initialized() or dist.get_world_size() == 1:
         yield
         return
     error: Optional[Exception] = None

@@ -4,42 +4,48 @@
 
 1. **stage** (main thread, training blocked): the state is gathered as for a
    synchronous save and copied, so that training may change it. A full
-   checkpoint is copied on rank 0's CPU; a sharded one goes through DCP's
-   ``async_save``, whose stager copies each rank's shards to its CPU;
-2. **write** (a background thread per rank, training goes on): only files under
+   checkpoint is copied on rank 0's CPU; a sharded one by :class:`ShardStager`,
+   each rank's shards to its CPU;
+2. **write** (a daemon thread per rank, training goes on): only files under
    the temporary name ``<token>-NAME.tmp``. A sharded write coordinates its
    ranks on a gloo group of its own (:func:`writer_group`), never on the
    groups training uses, so its collectives cannot interleave with training's;
-3. **publish** (main thread, every rank, at the next save, at the end of
-   ``train()`` or at exit): every rank waits for its own write, the ranks agree
-   that every write finished (:func:`mmfsdp.together.fail_together`), then
-   rank 0 renames the temporary into place and the hook repoints
-   ``last_checkpoint`` and deletes what ``max_keep_ckpts`` expires.
+3. **publish** (main thread, every rank: as soon as the write ended on every
+   rank, polled after each training iteration; at the latest at the next save,
+   the end of ``train()`` or exit): the ranks agree that every write finished
+   (:func:`mmfsdp.together.fail_together`), then rank 0 renames the temporary
+   into place and the hook repoints ``last_checkpoint`` and deletes what
+   ``max_keep_ckpts`` expires.
 
 A write that failed on any rank is raised on every rank at step 3, naming the
-rank and its error; nothing is renamed. A crash before step 3 leaves only the
-temporary, which auto-resume never picks. See ``docs/checkpoints.md``.
+rank and its error; rank 0 removes the temporary. When anything else fails
+first, no collective can run: rank 0 publishes alone a write that completed
+(:meth:`BackgroundWrite.settle`). See ``docs/checkpoints.md``.
 """
+import atexit
 import collections
 import concurrent.futures
 import copy
 import datetime
+import logging
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from mmengine.logging import print_log
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from ..compat import dtensor_like
 from ..options import resolve_flag
-from ..together import fail_together
-from .durable import remove_stale_temporaries, replace_path, save_atomically
+from ..together import alone, control_group, fail_together
+from .durable import remove_path, remove_stale_temporaries, replace_path
 
-__all__ = ['BackgroundWrite', 'ShardStager', 'resolve_async_save', 'write_file_in_background',
-           'write_meta_after', 'writer_group']
+__all__ = ['BackgroundWrite', 'ShardStager', 'publish_at_exit', 'resolve_async_save',
+           'run_in_background', 'write_file_in_background', 'writer_group']
 
 
 def resolve_async_save(value: Any) -> bool:
@@ -140,13 +146,23 @@ class ShardStager(AsyncStager):
         """Nothing to release: the copies are kept for the next save."""
 
 
-def _run_in_thread(fn: Callable[[], None]) -> concurrent.futures.Future:
-    # an executor's threads are joined before the interpreter exits: exit waits for the write
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='mmfsdp-checkpoint')
-    try:
-        return executor.submit(fn)
-    finally:
-        executor.shutdown(wait=False)
+def run_in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """``fn()`` in a daemon thread; its result or its error in the returned future.
+
+    A daemon thread, which the interpreter does not join at exit: a write stuck
+    in a hung file system cannot keep alive a process that gave up on it (a
+    write that ended is published at exit before: :func:`publish_at_exit`).
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            future.set_exception(e)
+
+    threading.Thread(target=run, name='mmfsdp-checkpoint', daemon=True).start()
+    return future
 
 
 def write_file_in_background(obj: Any, tmp: str) -> concurrent.futures.Future:
@@ -162,30 +178,11 @@ def write_file_in_background(obj: Any, tmp: str) -> concurrent.futures.Future:
             f.flush()
             os.fsync(f.fileno())
 
-    return _run_in_thread(write)
+    return run_in_background(write)
 
 
-def write_meta_after(upload: concurrent.futures.Future, extra: Optional[Dict[str, Any]],
-                     directory: str, meta_file: str) -> concurrent.futures.Future:
-    """A future that ends when DCP's ``upload`` has and (rank 0) ``extra`` is written after it.
-
-    DCP's save returns on rank 0 only once every rank's shards are written, so
-    ``meta_file`` (whose presence marks a complete directory) is written last.
-    """
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def then(finished: concurrent.futures.Future) -> None:
-        try:
-            finished.result()
-            if extra is not None:
-                save_atomically(extra, os.path.join(directory, meta_file))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            done.set_exception(e)
-        else:
-            done.set_result(None)
-
-    upload.add_done_callback(then)
-    return done
+#: The writes not yet published or settled, held here (not by their runner) for the exit.
+_IN_FLIGHT: List['BackgroundWrite'] = []
 
 
 class BackgroundWrite:
@@ -198,6 +195,10 @@ class BackgroundWrite:
         clean_tokens: the tokens whose temporaries go once it is published.
         wait_s: how long the ranks wait for each other's writes.
         future: this rank's write (``None`` on a rank that writes nothing).
+            Rank 0 always writes, and its write ends after every rank's: a
+            sharded one when DCP has gathered every rank's result and written
+            ``.metadata``, then ``mmengine.pth``. So rank 0 alone can tell that
+            the checkpoint is complete (:meth:`settle`).
 
     """
 
@@ -207,8 +208,14 @@ class BackgroundWrite:
         self.clean_tokens = list(clean_tokens)
         self.wait_s = wait_s
         self.future = future
+        self.rank, self.world_size = ((dist.get_rank(), dist.get_world_size())
+                                      if dist.is_initialized() else (0, 1))
         #: Run on every rank once the checkpoint is in place (the hook's repoint and delete).
         self.callbacks: List[Callable[[], None]] = []
+        if not _IN_FLIGHT:  # atexit runs last in, first out: before the group's shutdown
+            atexit.unregister(publish_at_exit)
+            atexit.register(publish_at_exit)
+        _IN_FLIGHT.append(self)
 
     def wait(self) -> None:
         """Wait for this rank's write; raise this rank's error, if its write failed.
@@ -226,32 +233,102 @@ class BackgroundWrite:
             raise TimeoutError(f'writing {self.tmp} took longer than save_timeout='
                                f'{self.wait_s} s') from None
         except CheckpointException as e:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank in e.failures:
-                raise e.failures[rank][0] from None
-            if not dist.is_initialized():  # no other rank to name it: say what DCP said
+            if self.rank in e.failures:
+                raise e.failures[self.rank][0] from None
+            if self.world_size == 1:  # no other rank to name it: say what DCP said
                 raise RuntimeError(str(e)) from None
 
-    def publish(self, is_writer_of_record: bool) -> None:
+    def ended(self) -> bool:
+        """Whether the write ended on every rank or failed on one; never waits.
+
+        Collective: one ``all_reduce`` of two integers on the control group.
+        """
+        mine = self.future is None or self.future.done()
+        flags = torch.tensor([int(mine), int(mine and self.future is not None
+                                             and self.future.exception() is not None)])
+        if self.world_size > 1:
+            dist.all_reduce(flags, group=control_group())
+        return flags[0].item() == self.world_size or flags[1].item() > 0
+
+    def publish(self) -> None:
         """Agree that every rank's write finished, rename into place, run the callbacks.
 
-        Collective; ``is_writer_of_record``: this rank renames (rank 0).
+        Collective. If any rank fails here (a write, or the exchange: a rank
+        died), every rank raises, and rank 0 first settles the write alone
+        (:meth:`settle`): complete, it is still published; failed, removed.
         """
-        with fail_together(f'saving checkpoint {self.path} (written in the background)',
-                           self.wait_s):
-            self.wait()
-        with fail_together(f'publishing checkpoint {self.path}', self.wait_s):
-            if is_writer_of_record:
-                replace_path(self.tmp, self.path, self.token)
-                remove_stale_temporaries(os.path.dirname(os.path.abspath(self.path)),
-                                         self.clean_tokens)
+        self._forget()
+        try:
+            with fail_together(f'saving checkpoint {self.path} (written in the background)',
+                               self.wait_s):
+                self.wait()
+            with fail_together(f'publishing checkpoint {self.path}', self.wait_s):
+                if self.rank == 0:
+                    self._rename()
+        except BaseException:
+            self.settle(wait_s=0)
+            raise
         for callback in self.callbacks:
             callback()
 
-    def abandon(self) -> Optional[BaseException]:
-        """Wait for this rank's write (bounded by ``wait_s``) without publishing; its error."""
+    def settle(self, wait_s: Optional[float] = None) -> None:
+        """Finish the write without the other ranks: no collective (one failed, or none is left).
+
+        Every rank waits for its own write (at most ``wait_s``, by default
+        ``save_timeout``), so that it is not cut short by the process's exit.
+        Then rank 0 publishes a write that succeeded (complete on every rank:
+        see the class) and runs the callbacks :func:`alone`, removes one that
+        failed, and leaves one still running; it logs which.
+        """
+        self._forget()
+        if self.future is not None:
+            concurrent.futures.wait([self.future], self.wait_s if wait_s is None else wait_s)
+        if self.rank != 0 or not os.path.lexists(self.tmp):
+            return
         try:
-            self.wait()
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            return e
-        return None
+            if not self.future.done():
+                message = (f'{self.path} is not published: its write was still running; '
+                           f'{self.tmp} is left (the run that resumes removes it)')
+            elif self.future.exception() is not None:
+                remove_path(self.tmp)
+                message = (f'{self.path} is not published: its write failed '
+                           f'({_describe(self.future.exception())}); {self.tmp} is removed')
+            else:
+                self._rename()
+                with alone():
+                    for callback in self.callbacks:
+                        callback()
+                message = f'{self.path} was written completely on every rank: published'
+        except Exception as e:  # noqa: BLE001 - the caller is already raising its own error
+            message = f'{self.path} could not be published: {_describe(e)}'
+        print_log(f'Training stopped while a checkpoint was written in the background. '
+                  f'{message}', logger='current', level=logging.WARNING)
+
+    def _rename(self) -> None:
+        replace_path(self.tmp, self.path, self.token)
+        remove_stale_temporaries(os.path.dirname(os.path.abspath(self.path)), self.clean_tokens)
+
+    def _forget(self) -> None:
+        if self in _IN_FLIGHT:
+            _IN_FLIGHT.remove(self)
+
+
+def publish_at_exit() -> None:
+    """Publish the writes still in flight when the interpreter exits, their runners or not.
+
+    Registered at a write's start, after :func:`mmfsdp.dist.shutdown_at_exit`,
+    so it runs before the process group is destroyed; without a group each
+    rank settles its write alone (:meth:`BackgroundWrite.settle`).
+    """
+    for write in list(_IN_FLIGHT):
+        try:
+            if write.world_size == 1 or dist.is_initialized():
+                write.publish()
+            else:
+                write.settle()
+        except Exception as e:  # noqa: BLE001 - at exit there is no caller to raise to
+            print_log(f'At exit: {_describe(e)}', logger='current', level=logging.ERROR)
+
+
+def _describe(error: BaseException) -> str:
+    return f'{type(error).__name__}: {error}'

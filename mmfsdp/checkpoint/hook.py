@@ -13,8 +13,8 @@ for ``CheckpointHook``::
 
 With ``async_save=True`` a checkpoint is written in the background
 (:mod:`.background`): it is renamed into place, ``last_checkpoint`` repointed
-and the expired one deleted when the write is published, at the next save
-or the end of training, once every rank's write has finished.
+and the expired one deleted when the write is published, once every rank's
+write has finished (checked after each training iteration).
 """
 import hashlib
 import logging
@@ -137,6 +137,13 @@ class CheckpointHook(CheckpointHookSteps):
             super().before_train(runner)
         finally:
             logger.removeFilter(notices)
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        """Publish a background write that ended, or raise its error (every rank); then save."""
+        poll = getattr(runner, 'poll_checkpoint', None)
+        if poll is not None:
+            poll()
+        super().after_train_iter(runner, batch_idx, data_batch, outputs)
 
     def save_checkpoint_with_step(self, runner, step, meta) -> None:
         """The stock bookkeeping and save, then repoint, then delete the expired checkpoint.

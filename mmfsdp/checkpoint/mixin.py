@@ -4,11 +4,9 @@ The stock versions save on rank 0 alone and load rank 0's view everywhere;
 these take every rank through the gather or the scatter and keep the rest of
 mmengine's behaviour (meta, message hub, schedulers, hooks).
 """
-import atexit
 import os
 import os.path as osp
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mmengine
@@ -153,7 +151,6 @@ class CheckpointMixin:
                 self._in_flight = save_sharded_in_background(
                     path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards, token,
                     clean, self._stager())
-                _finish_at_exit(self)
             else:
                 save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
                              token, clean)
@@ -172,7 +169,6 @@ class CheckpointMixin:
                 future = write_file_in_background(staged, tmp)
                 self._stager().written_by(future)
         self._in_flight = BackgroundWrite(path, tmp, token, clean, wait_s, future)
-        _finish_at_exit(self)
 
     def _stager(self) -> ShardStager:
         """The copies of the runner's background saves, kept for the next one."""
@@ -205,30 +201,35 @@ class CheckpointMixin:
         finished; rank 0 renames the checkpoint into place; then the hook
         repoints ``last_checkpoint`` and deletes what ``max_keep_ckpts``
         expires. A write that failed on any rank raises here on every rank,
-        naming the rank and its error, and nothing is renamed.
+        naming the rank and its error, and rank 0 removes its temporary.
+        """
+        write, self._in_flight = getattr(self, '_in_flight', None), None
+        if write is not None:
+            write.publish()
+
+    def poll_checkpoint(self) -> None:
+        """:meth:`wait_for_checkpoint` if the background write ended on every rank or failed.
+
+        Never waits. Collective while a write is in flight (one ``all_reduce``
+        of two integers), nothing otherwise; ``CheckpointHook`` calls it after
+        every training iteration, so a failed write is an error on every rank
+        within one iteration, and a finished one is published.
         """
         write = getattr(self, '_in_flight', None)
-        if write is None:
-            return
-        self._in_flight = None
-        write.publish(is_main_process())
+        if write is not None and write.ended():
+            self.wait_for_checkpoint()
 
-    def abandon_checkpoint(self) -> None:
-        """After an error: wait for this rank's background write, publish nothing (local).
+    def settle_checkpoint(self) -> None:
+        """After an error, finish the background write without the other ranks (no collective).
 
-        The ranks cannot agree while one of them is failing; the checkpoint
-        stays a temporary, which auto-resume never picks and the next run
-        removes. A write error is logged.
+        Each rank waits for its own write (at most ``save_timeout``); rank 0
+        publishes it if it completed on every rank, with ``last_checkpoint``,
+        removes it if it failed, and logs which
+        (:meth:`~.background.BackgroundWrite.settle`).
         """
-        write = getattr(self, '_in_flight', None)
-        if write is None:
-            return
-        self._in_flight = None
-        error = write.abandon()
-        self.logger.warning(
-            f'{write.path} was being written in the background when training stopped; it is '
-            'not published' + (f' (its write failed here: {type(error).__name__}: {error})'
-                               if error is not None else ''))
+        write, self._in_flight = getattr(self, '_in_flight', None), None
+        if write is not None:
+            write.settle()
 
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[Tuple[str, str]] = ((r'^module.', ''), )
@@ -380,32 +381,3 @@ def _from_rank0(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0, group=control_group())
     return box[0]
-
-
-_UNFINISHED: 'weakref.WeakSet[CheckpointMixin]' = weakref.WeakSet()
-_REGISTERED: List[bool] = []
-
-
-def _finish_at_exit(runner: CheckpointMixin) -> None:
-    """Publish ``runner``'s background write when the interpreter exits, if still in flight.
-
-    Registered at the first background save, after ``shutdown_at_exit``, so it
-    runs before the process group is destroyed (``atexit`` runs last in, first out).
-    """
-    if not _REGISTERED:
-        atexit.register(_finish_unfinished)
-        _REGISTERED.append(True)
-    _UNFINISHED.add(runner)
-
-
-def _finish_unfinished() -> None:
-    for runner in list(_UNFINISHED):
-        if runner.checkpoint_in_flight() is None:
-            continue
-        if dist.is_initialized() or not getattr(runner, 'distributed', False):
-            try:
-                runner.wait_for_checkpoint()
-            except Exception as e:  # noqa: BLE001 - at exit there is no caller to raise to
-                runner.logger.error(f'At exit: {type(e).__name__}: {e}')
-        else:  # the group is gone: nothing can be agreed
-            runner.abandon_checkpoint()

@@ -44,7 +44,7 @@ from ..names import unwrapped_param_names
 from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from ..together import control_group, fail_together
-from .background import BackgroundWrite, ShardStager, write_meta_after, writer_group
+from .background import BackgroundWrite, ShardStager, run_in_background, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
 from .safe_io import SafeFileSystemReader, load_file, load_shards
 
@@ -373,8 +373,9 @@ def save_sharded_in_background(path: str, model: nn.Module,
                                stager: Optional[ShardStager] = None) -> BackgroundWrite:
     """:func:`save_sharded`, returning once the shards are staged (copied to this rank's CPU).
 
-    DCP's ``async_save`` writes them to ``<token>-NAME.tmp/`` in a thread,
-    coordinating on :func:`~.background.writer_group`; rank 0 then writes
+    DCP's ``save`` writes them to ``<token>-NAME.tmp/`` in a daemon thread
+    (:func:`~.background.run_in_background`), coordinating on
+    :func:`~.background.writer_group`; rank 0 then writes
     :data:`META_FILE`. Nothing is renamed: the caller publishes the returned
     write (:meth:`~.background.BackgroundWrite.publish`). ``stager`` (kept
     between saves) reuses its copies. Collective.
@@ -383,12 +384,17 @@ def save_sharded_in_background(path: str, model: nn.Module,
     tmp = _clear_temporary(path, token)
     shards, param_groups = _shards_to_write(model, optim_wrapper, extra_shards)
     meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
-    with _single_process_is_intended():
-        upload = dcp.async_save(shards, checkpoint_id=tmp, process_group=writer_group(wait_s),
-                                async_stager=stager)
+    staged, group = stager.stage(shards), writer_group(wait_s)
+
+    def write() -> None:
+        with _single_process_is_intended():
+            dcp.save(staged, checkpoint_id=tmp, process_group=group)
+        if meta is not None:  # last, after every rank's shards: it marks a complete directory
+            save_atomically(meta, os.path.join(tmp, META_FILE))
+
+    upload = run_in_background(write)
     stager.written_by(upload)
-    return BackgroundWrite(path, tmp, token, clean_tokens, wait_s,
-                           write_meta_after(upload, meta, tmp, META_FILE))
+    return BackgroundWrite(path, tmp, token, clean_tokens, wait_s, upload)
 
 
 def _clear_temporary(path: str, token: str) -> str:
