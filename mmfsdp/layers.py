@@ -54,7 +54,7 @@ from .compat import (
     checkpoint_wrapper,
     set_activation_memory_budget,
 )
-from .options import option_dict, resolve_module_classes, suggest
+from .options import option_dict, suggest
 
 __all__ = ['ActivationCheckpointing', 'RegionalCompile', 'apply_activation_checkpointing_to',
            'check_layer_options', 'prepare_layers', 'resolve_activation_checkpointing',
@@ -213,11 +213,14 @@ def check_layer_options(checkpointing: Optional[ActivationCheckpointing],
                          "'selective' with layer_cls")
 
 
-def layer_classes(option: Any, model: nn.Module, key: str) -> Tuple[Type[nn.Module], ...]:
-    """The classes an option's ``layer_cls`` names in ``model`` (empty when off)."""
+def layer_classes(option: Any, index: Any, key: str) -> Tuple[Type[nn.Module], ...]:
+    """The classes an option's ``layer_cls`` names in the model of ``index`` (empty when off).
+
+    ``index`` is the model's :class:`mmfsdp.policies.ModelIndex`.
+    """
     if option is None or not option.layer_cls:
         return ()
-    return resolve_module_classes(option.layer_cls, model, f'{key}.layer_cls')
+    return index.classes_of(option.layer_cls, f'{key}.layer_cls')
 
 
 def apply_activation_checkpointing_to(

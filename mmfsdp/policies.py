@@ -7,10 +7,11 @@ torch's FSDP1 ``auto_wrap_policy`` callables have::
 
 ``recurse=True`` asks "look inside ``module``?", ``recurse=False`` asks "make
 ``module`` a unit?", and ``nonwrapped_numel`` counts the parameters of
-``module`` not already claimed by a unit below it. :func:`plan_units` walks a
-model with the semantics of FSDP1's recursive wrapping; it is the one walk
-(:meth:`mmfsdp.wrappers.base.WrapperConfig.layout`): FSDP1 wraps exactly the
-units it names, FSDP2 shards them, and the sharding plan reports them.
+``module`` not already claimed by a unit below it. :class:`ModelIndex` is the
+one walk over a model (modules, classes, parameter registrations) that the
+layout, the policies, the group checks and the plan read; :func:`plan_units`
+applies a policy to it with the semantics of FSDP1's recursive wrapping: FSDP1
+wraps exactly the units it names, FSDP2 shards them, the plan reports them.
 
 Policies are registered in :data:`mmfsdp.registry.FSDP_WRAP_POLICIES` and named
 in configs::
@@ -26,37 +27,98 @@ Users register their own predicate, whose extra arguments become config keys::
         return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
 
 FSDP2's units are merged where a parameter is shared by two of them
-(:func:`merge_units_sharing_parameters`: FSDP2 gives every parameter to one
-group; a tied embedding / LM head is the classic case). What is done to layers
+(:func:`mmfsdp.wrappers.fsdp2.merge_units_sharing_parameters`). What is done to layers
 before sharding (activation checkpointing, regional compile) is
 :mod:`mmfsdp.layers`.
 """
+import difflib
 import functools
 import inspect
-import logging
-from dataclasses import dataclass
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
-    Sequence,
-    Set,
-    Tuple,
-    Type,
-    Union,
-)
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, Union
 
-from mmengine.logging import print_log
 from torch import nn
 
-from .options import resolve_module_classes, suggest
+from .options import suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['Merge', 'ROOT', 'WrapPolicy', 'build_wrap_policy', 'merge_units_sharing_parameters',
-           'module_types', 'plan_units', 'size_based', 'transformer']
+__all__ = ['ModelIndex', 'WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units',
+           'size_based', 'transformer', 'within']
+
+def within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""
+    return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
+
+
+class ModelIndex:
+    """A model walked once: its modules by name, its classes by name, its parameters.
+
+    Built once per model (:meth:`mmfsdp.wrappers.builder.Wrapping.layout`) and
+    passed to everything that asks about the model, so one layout does not walk
+    the module tree again for each question.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        #: Every module by its first name (``''``: the model), in ``named_modules`` order.
+        self.modules: Dict[str, nn.Module] = {}
+        #: ``id(parameter) -> [(parameter name, module name), ...]``, every registration.
+        self.registrations: Dict[int, List[Tuple[str, str]]] = {}
+        #: Every parameter by its first name (``named_parameters()``).
+        self.params: Dict[str, nn.Parameter] = {}
+        #: Below each module path: ``id(parameter) -> numel`` (``module.parameters()``).
+        self.below: Dict[str, Dict[int, int]] = {}
+        #: Class name -> class, for every module's class and its ``nn.Module`` bases.
+        self.classes: Dict[str, Type[nn.Module]] = {}
+        for path, module in model.named_modules(remove_duplicate=False):
+            self.modules.setdefault(path, module)
+            self.below.setdefault(path, {})
+            for cls in type(module).__mro__:
+                if issubclass(cls, nn.Module) and cls is not nn.Module:
+                    self.classes.setdefault(cls.__name__, cls)
+            for name, param in module.named_parameters(recurse=False):
+                full = f'{path}.{name}' if path else name
+                if id(param) not in self.registrations:
+                    self.params[full] = param
+                self.registrations.setdefault(id(param), []).append((full, path))
+                parts = path.split('.') if path else []
+                for end in range(len(parts) + 1):
+                    self.below['.'.join(parts[:end])][id(param)] = param.numel()
+        seen: set = set()
+        self.modules = {n: m for n, m in self.modules.items()
+                        if not (id(m) in seen or seen.add(id(m)))}
+
+    @classmethod
+    def of(cls, model: Union[nn.Module, 'ModelIndex']) -> 'ModelIndex':
+        """``model``'s index (``model`` itself if it is one)."""
+        return model if isinstance(model, ModelIndex) else cls(model)
+
+    def classes_of(self, value: Any, key: str) -> Tuple[Type[nn.Module], ...]:
+        """Module classes, or names of the classes (or their bases) of the model's modules.
+
+        ``'_BatchNorm'`` covers ``BatchNorm2d`` and ``SyncBatchNorm``. An unknown
+        name is a ``ValueError`` with the nearest names.
+        """
+        classes = []
+        for item in (value, ) if isinstance(value, (str, type)) else tuple(value or ()):
+            if isinstance(item, type) and issubclass(item, nn.Module):
+                classes.append(item)
+            elif isinstance(item, str) and item in self.classes:
+                classes.append(self.classes[item])
+            elif isinstance(item, str):
+                close = difflib.get_close_matches(item, sorted(self.classes), n=3, cutoff=0.5)
+                hint = (f'close matches: {close}' if close
+                        else f'its classes are {sorted(self.classes)}')
+                raise ValueError(f'{key}: {type(self.model).__name__} has no submodule of class '
+                                 f'{item!r}; {hint}')
+            else:
+                raise TypeError(f'{key}: expected nn.Module classes or class names, got {item!r}')
+        return tuple(classes)
+
+    def named(self, classes: Tuple[type, ...]) -> List[str]:
+        """The names of the modules that are instances of ``classes``."""
+        return [name for name, m in self.modules.items() if isinstance(m, classes)] if classes \
+            else []
+
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
@@ -68,10 +130,11 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _resolves_options(resolver: Callable[..., Dict[str, Any]]) -> Callable:
-    """Attach ``resolver(model, key, **options) -> options`` to a policy.
+    """Attach ``resolver(index, key, **options) -> options`` to a policy.
 
-    It runs once, when the policy is built for a model, to check the options
-    against that model and turn names into the objects the predicate uses.
+    It runs once, when the policy is built for a model (its :class:`ModelIndex`),
+    to check the options against that model and turn names into the objects
+    the predicate uses.
     """
 
     def attach(policy: Callable) -> Callable:
@@ -89,7 +152,7 @@ def _positive_int(value: Any, key: str) -> int:
 
 
 @FSDP_WRAP_POLICIES.register_module()
-@_resolves_options(lambda model, key, min_num_params: dict(
+@_resolves_options(lambda index, key, min_num_params: dict(
     min_num_params=_positive_int(min_num_params, f'{key}.min_num_params')))
 def size_based(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                min_num_params: int) -> bool:
@@ -100,8 +163,8 @@ def size_based(module: nn.Module, recurse: bool, nonwrapped_numel: int,
 
 
 @FSDP_WRAP_POLICIES.register_module()
-@_resolves_options(lambda model, key, layer_cls: dict(
-    layer_cls=resolve_module_classes(layer_cls, model, f'{key}.layer_cls')))
+@_resolves_options(lambda index, key, layer_cls: dict(
+    layer_cls=index.classes_of(layer_cls, f'{key}.layer_cls')))
 def transformer(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                 layer_cls: Tuple[Type[nn.Module], ...]) -> bool:
     """Make a unit of every instance of ``layer_cls`` (e.g. the transformer block)."""
@@ -109,8 +172,8 @@ def transformer(module: nn.Module, recurse: bool, nonwrapped_numel: int,
 
 
 @FSDP_WRAP_POLICIES.register_module()
-@_resolves_options(lambda model, key, module_cls: dict(
-    module_cls=resolve_module_classes(module_cls, model, f'{key}.module_cls')))
+@_resolves_options(lambda index, key, module_cls: dict(
+    module_cls=index.classes_of(module_cls, f'{key}.module_cls')))
 def module_types(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                  module_cls: Tuple[Type[nn.Module], ...]) -> bool:
     """Make a unit of every instance of ``module_cls`` (any module classes)."""
@@ -126,7 +189,7 @@ def _any_of(policies: Sequence[WrapPolicy]) -> WrapPolicy:
     return policy
 
 
-def _build_one(cfg: Any, model: nn.Module, key: str) -> WrapPolicy:
+def _build_one(cfg: Any, index: ModelIndex, key: str) -> WrapPolicy:
     if isinstance(cfg, str):
         cfg = dict(type=cfg)
     if not isinstance(cfg, Mapping):
@@ -142,25 +205,25 @@ def _build_one(cfg: Any, model: nn.Module, key: str) -> WrapPolicy:
         raise KeyError(f'{key}.type: {name!r} is not a registered wrap policy'
                        f'{suggest(name, names)}; registered policies are {names}')
     try:
-        inspect.signature(fn).bind(model, True, 0, **options)
+        inspect.signature(fn).bind(index.model, True, 0, **options)
     except TypeError as e:
         params = list(inspect.signature(fn).parameters)[3:]
         raise TypeError(f'{key}: policy {name!r} {e}; its options are {params}') from None
     resolve = getattr(fn, 'resolve_options', None)
     if resolve is not None:
-        options = resolve(model, key, **options)
+        options = resolve(index, key, **options)
     return functools.partial(fn, **options)
 
 
-def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
+def build_wrap_policy(cfg: PolicyConfig, index: Union[ModelIndex, nn.Module],
                       key: str = 'model_wrapper_cfg.auto_wrap_policy') -> Union[WrapPolicy, None]:
-    """Build the policy a config names, checked against ``model``.
+    """Build the policy a config names, checked against the model of ``index``.
 
     Args:
         cfg: ``None`` (no auto-wrap: the whole model is one unit), a registered
             name, ``dict(type=name, **options)``, a callable, or a list of
             those (a module is wrapped if any of them says so).
-        model: The unwrapped model the policy will be applied to.
+        index: The unwrapped model the policy will be applied to, walked (or the model).
         key: The config key, for error messages.
 
     Raises:
@@ -171,16 +234,15 @@ def build_wrap_policy(cfg: PolicyConfig, model: nn.Module,
     """
     if cfg is None:
         return None
+    index = ModelIndex.of(index)
     if isinstance(cfg, (list, tuple)):
         if not cfg:
             raise ValueError(f'{key}: an empty list of policies wraps nothing; use None')
-        policy = _any_of([_build_one(c, model, f'{key}[{i}]') for i, c in enumerate(cfg)])
-    else:
-        policy = _build_one(cfg, model, key)
-    return policy
+        return _any_of([_build_one(c, index, f'{key}[{i}]') for i, c in enumerate(cfg)])
+    return _build_one(cfg, index, key)
 
 
-def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
+def plan_units(index: Union[ModelIndex, nn.Module], policy: WrapPolicy) -> List[str]:
     """Names of the submodules ``policy`` makes units of, children before parents.
 
     Follows FSDP1's recursive wrapping: a module is looked into if the policy
@@ -189,12 +251,13 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
     the list (it is always a unit). A parameter shared by several modules is
     counted once, where it is first reached.
     """
+    index = ModelIndex.of(index)
     units: List[str] = []
     seen: set = set()
 
     def visit(module: nn.Module, name: str, is_root: bool) -> int:
-        own = [p for p in module.parameters() if id(p) not in seen]
-        numel = sum(p.numel() for p in own)
+        own = [p for p in index.below[name] if p not in seen]
+        numel = sum(index.below[name][p] for p in own)
         if not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return 0
         claimed = 0
@@ -203,107 +266,9 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> List[str]:
         if not is_root and policy(module=module, recurse=False,
                                   nonwrapped_numel=numel - claimed):
             units.append(name)
-            seen.update(id(p) for p in own)
+            seen.update(own)
             return numel
         return claimed
 
-    visit(model, '', True)
+    visit(index.model, '', True)
     return units
-
-
-# ---- shared parameters: one FSDP2 group each ---------------------------------------------
-
-#: The name that stands for the root unit (the whole model) in a :class:`Merge`.
-ROOT = '<root>'
-
-
-@dataclass(frozen=True)
-class Merge:
-    """One resolution: ``dropped`` units give their parameters to ``owner``."""
-
-    #: Names under which the shared parameter is registered.
-    parameter_names: Tuple[str, ...]
-    #: The units that would have held it.
-    owners: Tuple[str, ...]
-    #: Units that are no longer sharded separately.
-    dropped: Tuple[str, ...]
-    #: The unit (or :data:`ROOT`) that holds it now.
-    owner: str
-
-
-def _within(name: str, ancestor: str) -> bool:
-    """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""
-    return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
-
-
-def _owner(module_name: str, units: Set[str]) -> str:
-    """The innermost unit enclosing ``module_name``, or ``''`` for the root."""
-    parts = module_name.split('.') if module_name else []
-    for end in range(len(parts), 0, -1):
-        candidate = '.'.join(parts[:end])
-        if candidate in units:
-            return candidate
-    return ''
-
-
-def _common_ancestor(names: Iterable[str]) -> str:
-    split = [n.split('.') if n else [] for n in names]
-    common: List[str] = []
-    for parts in zip(*split):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return '.'.join(common)
-
-
-def _registrations(model: nn.Module) -> Dict[int, List[Tuple[str, str]]]:
-    """``id(parameter) -> [(parameter name, module name), ...]`` over every registration."""
-    found: Dict[int, List[Tuple[str, str]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            full = f'{module_name}.{name}' if module_name else name
-            found.setdefault(id(param), []).append((full, module_name))
-    return found
-
-
-def merge_units_sharing_parameters(model: nn.Module,
-                                   units: Sequence[str]) -> Tuple[List[str], List[Merge]]:
-    """Drop units so that every parameter belongs to exactly one unit or to the root.
-
-    Args:
-        model: The unsharded model.
-        units: Names of the planned units, children before parents
-            (:func:`mmfsdp.policies.plan_units`).
-
-    Returns:
-        The units to shard (same order, some dropped) and what was merged.
-        Each merge is logged as a warning.
-
-    """
-    kept = list(units)
-    merges: List[Merge] = []
-    registrations = [regs for regs in _registrations(model).values() if len(regs) > 1]
-    while True:
-        unit_set = set(kept)
-        conflict = None
-        for regs in registrations:
-            owners = {_owner(module_name, unit_set) for _, module_name in regs}
-            if len(owners) > 1:
-                conflict = regs, owners
-                break
-        if conflict is None:
-            return kept, merges
-        regs, owners = conflict
-        owner = _owner(_common_ancestor(owners), unit_set)
-        dropped = [u for u in kept if u != owner and _within(u, owner)
-                   and any(_within(o, u) for o in owners)]
-        kept = [u for u in kept if u not in dropped]
-        merge = Merge(parameter_names=tuple(name for name, _ in regs),
-                      owners=tuple(sorted(o or ROOT for o in owners)),
-                      dropped=tuple(dropped), owner=owner or ROOT)
-        merges.append(merge)
-        print_log(f'FSDP2 unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
-                  f'{", ".join(merge.owners)}; FSDP2 allows one group per parameter, so '
-                  f'{", ".join(merge.dropped)} will not be sharded as separate units and '
-                  f'their parameters join {merge.owner}', logger='current',
-                  level=logging.WARNING)

@@ -1,5 +1,6 @@
 """``FSDPRunner``: mmengine's Runner, corrected where sharding breaks it."""
 import contextlib
+import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -45,10 +46,10 @@ from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .together import check_ranks_agree, fail_together
 from .wrappers.base import Layout
-from .wrappers.builder import model_wrapper_config, resolve_wrapper
+from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
-__all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'is_mmengine_default_env',
-           'revert_sync_bn']
+__all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'WrapState',
+           'is_mmengine_default_env', 'revert_sync_bn']
 
 #: The ``env_cfg`` that ``Runner.__init__`` takes when none is given (its
 #: ``dist_cfg`` says ``backend='nccl'``, which no user wrote).
@@ -79,23 +80,16 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     def setup_env(self, env_cfg: Dict) -> None:
         """Check the launcher, resolve the wrapper config (once), start the process group."""
         check_launcher(self.launcher)
-        self._wrapping = resolve_wrapper(model_wrapper_config(self.cfg),
-                                         self.cfg.get('default_scope', 'mmengine'))
-        if self._wrapping.ours:
-            self._wrapping.config.check_device(current_device())
-            if self.cfg.get('compile') and self._wrapping.config.regional_compile is not None:
-                raise ValueError(
-                    f"compile={self.cfg['compile']!r} compiles the whole train_step and "
-                    'model_wrapper_cfg.regional_compile compiles the named layers one by one; '
-                    'keep one of them (regional_compile: small graphs compiled once per layer '
-                    'class, the collectives outside them)')
-        self._meta_init = self.distributed and self._wrapping.meta_init
-        self._layout: Optional[Layout] = None  # the model walked into units, once
-        self._checked = False
-        self._meta_pending: list = []
-        self._meta_check_after_load = False
-        self._staged = False
-        self._preconditions = WrapPreconditions()
+        wrapping = resolve_wrapper(model_wrapper_config(self.cfg),
+                                   self.cfg.get('default_scope', 'mmengine'))
+        wrapping.config.check_device(current_device())
+        if self.cfg.get('compile') and wrapping.config.regional_compile is not None:
+            raise ValueError(
+                f"compile={self.cfg['compile']!r} compiles the whole train_step and "
+                'model_wrapper_cfg.regional_compile compiles the named layers one by one; '
+                'keep one of them (regional_compile: small graphs compiled once per layer '
+                'class, the collectives outside them)')
+        self._wrap_state = WrapState(wrapping, meta_init=self.distributed and wrapping.meta_init)
         if 'cpu_allocator' in env_cfg:
             raise ValueError(
                 f"env_cfg.cpu_allocator={env_cfg['cpu_allocator']!r}: mmfsdp no longer sets the "
@@ -107,7 +101,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             dist_cfg = None if is_mmengine_default_env(env_cfg, self.cfg) else \
                 env_cfg.get('dist_cfg')
             init_distributed(self.launcher, dist_cfg,
-                             offload=self._wrapping.offloads_to_cpu)
+                             offload=wrapping.config.offloads_to_cpu)
             shutdown_at_exit()
         elif self.distributed:  # a group started by the caller, who destroys it
             set_current_device()  # still train on LOCAL_RANK's device
@@ -148,7 +142,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         converted here, before the model is checked or walked and before any
         collective (:func:`revert_sync_bn`), and logged once.
         """
-        if self._meta_init:
+        if self._wrap_state.meta_init:
             built = build_on_meta(super().build_model, model)
         else:
             built = super().build_model(model)
@@ -169,44 +163,44 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         """Wrap ``model`` as resolved in :meth:`setup_env`, once its weights are final.
 
         mmengine calls this from ``__init__``, before ``train()`` builds the
-        optimizer and initialises the weights. That first call checks the config
-        against the model, walks it into units (:meth:`_check_before_wrapping`)
-        and moves it to its device; under meta init it wraps at once.
-        :meth:`load_or_resume` calls it again when the weights are final: that
-        call wraps (:meth:`_wrap`).
+        optimizer and initialises the weights: that first call prepares
+        (:meth:`_prepare`). :meth:`load_or_resume` calls it again when the
+        weights are final: that call wraps (:meth:`_wrap`).
         """
         if is_model_wrapper(model) or not self.distributed:
             return super().wrap_model(model_wrapper_cfg, model)
-        if self._checked:
-            return self._wrap(model)
-        self._check_before_wrapping(model)
-        if self._meta_init:
+        return self._wrap(model) if self._wrap_state.prepared else self._prepare(model)
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        """Lay the model out (the config checked against it), agree across ranks, place it.
+
+        The layout is the one walk into units; a rank whose check fails, or
+        that built a different model or plan, makes every rank raise
+        (:mod:`mmfsdp.together`) before the first collective that depends on
+        the model. The model then goes to its device, or stays on the CPU for
+        the wrapper to move unit by unit; under meta init it is wrapped at once.
+        """
+        state = self._wrap_state
+        with fail_together('checking model_wrapper_cfg against the model'):
+            state.layout = state.wrapping.layout(model)
+        state.prepared = True
+        check_ranks_agree(model, state.wrapping, state.layout)
+        if state.meta_init:
             loads = load_from(self) is not None or resume_requested(self)
             with defer_check(loads) as pending, \
                     allow_unsafe_pretrained(bool(self.cfg.get(UNSAFE_SWITCH, False))):
                 wrapped = self._wrap(model)
-            self._meta_pending, self._meta_check_after_load = pending, loads
+            state.meta_pending, state.meta_check_after_load = pending, loads
             return wrapped
         device = current_device()
-        self._staged = (self._wrapping.stages_on_cpu(device) and self._layout is not None
-                        and self._layout.roots is None)
-        return model if self._staged else model.to(device)
-
-    def _check_before_wrapping(self, model: nn.Module) -> None:
-        """The config against the model (the one walk into units), then the ranks' agreement.
-
-        Runs before the first collective that depends on the model: a rank
-        whose check fails, or that built a different model or plan, makes every
-        rank raise (:mod:`mmfsdp.together`).
-        """
-        with fail_together('checking model_wrapper_cfg against the model'):
-            self._layout = self._wrapping.layout(model)
-        self._checked = True
-        check_ranks_agree(model, self._wrapping, self._layout)
+        state.staged = (state.wrapping.config.stages_on_cpu(device) and state.layout is not None
+                        and state.layout.roots is None)
+        return model if state.staged else model.to(device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """Build the wrapper around ``model``; point the optimizer at it."""
-        self._preconditions.check(self.optim_wrapper)
+        state = self._wrap_state
+        state.preconditions.check(self.optim_wrapper)
         with fail_together('logging the sharding plan (rank 0)'):
             self._log_sharding_plan(model)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -220,8 +214,8 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             else:
                 model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
         resumed = self._take_optimizer_state()
-        self.model = self._wrapping.build(model, self._layout, current_device(),
-                                          sync_module_states=self._staged)
+        self.model = state.wrapping.build(model, state.layout, current_device(),
+                                          sync_module_states=state.staged)
         if is_built(self.optim_wrapper):
             retarget_parameters(self.optim_wrapper, names, self.model)
         if resumed is not None:  # resume() ran before train(): the state follows the shards
@@ -249,7 +243,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         publishes it alone if its write completed on every rank
         (:meth:`settle_checkpoint`: no collective after a failure).
         """
-        with self._preconditions.phase('train'):
+        with self._wrap_state.preconditions.phase('train'):
             try:
                 model = super().train()
             except BaseException:
@@ -260,14 +254,14 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
     def init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
-        if self._staged:
+        if self._wrap_state.staged:
             model = self.model.module if is_model_wrapper(self.model) else self.model
             if callable(getattr(model, 'init_weights', None)):
                 with draws_on(current_device(), model):  # as the stock Runner's, on the device
                     model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
-        elif not self._meta_init:
+        elif not self._wrap_state.meta_init:
             super().init_model_weights()
-        self._preconditions.weights_ready()
+        self._wrap_state.preconditions.weights_ready()
 
     def load_or_resume(self) -> None:
         """Wrap the model, whose weights are now initialised, then load or resume.
@@ -278,20 +272,22 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if self.distributed and not is_model_wrapper(self.model):
             self.wrap_model(self.cfg.get('model_wrapper_cfg'), self.model)
         elif self.distributed:  # wrapped before the optim wrapper existed (meta init)
-            self._preconditions.check(self.optim_wrapper)
+            self._wrap_state.preconditions.check(self.optim_wrapper)
             self._bind_optim_wrapper()
+        state = self._wrap_state
         tracker = WriteTracker()
-        with tracker if self._meta_check_after_load else contextlib.nullcontext():
+        with tracker if state.meta_check_after_load else contextlib.nullcontext():
             super().load_or_resume()
-        if self._meta_check_after_load:  # the same on every rank: a collective follows
-            self._meta_check_after_load = False
-            agree_on_unwritten(unwritten(self.model.module, self._meta_pending, tracker))
+        if state.meta_check_after_load:  # the same on every rank: a collective follows
+            state.meta_check_after_load = False
+            agree_on_unwritten(unwritten(self.model.module, state.meta_pending, tracker))
 
     def _log_sharding_plan(self, model: nn.Module) -> None:
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""
-        if is_main_process() and self._wrapping.ours:
+        state = self._wrap_state
+        if is_main_process() and state.wrapping.ours:
             log_sharding_plan(self.logger, plan_of(
-                self._wrapping, self._layout, model, self.world_size,
+                state.wrapping, state.layout, model, self.world_size,
                 self.cfg.get('optim_wrapper') or {},
                 ema=configures_ema(self.cfg.get('custom_hooks'))))
 
@@ -402,3 +398,24 @@ class WrapPreconditions:
                 'Runner.train() (0.10.x): build_optim_wrapper, before_run, '
                 '_init_model_weights, load_or_resume; a runner subclass or an mmengine '
                 'version that reorders them must keep that order')
+
+
+@dataclasses.dataclass
+class WrapState:
+    """Where :class:`FSDPRunner` stands with wrapping: one object, set up in ``setup_env``."""
+
+    #: The ``model_wrapper_cfg``, resolved once.
+    wrapping: Wrapping
+    #: The model is built on the meta device and wrapped at once.
+    meta_init: bool
+    #: The model cut into units by the first ``wrap_model`` (``None``: not yet, or not ours).
+    layout: Optional[Layout] = None
+    #: The first ``wrap_model`` ran: the next one wraps.
+    prepared: bool = False
+    #: The model waits on the CPU for the wrapper to move it unit by unit.
+    staged: bool = False
+    #: Meta init with a checkpoint to load: what no initialiser wrote, checked after loading.
+    meta_pending: list = dataclasses.field(default_factory=list)
+    meta_check_after_load: bool = False
+    #: What must have happened before ``train()`` wraps.
+    preconditions: WrapPreconditions = dataclasses.field(default_factory=WrapPreconditions)

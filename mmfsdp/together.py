@@ -177,7 +177,7 @@ def _wrapper_lines(wrapping: 'Wrapping') -> List[str]:
 def fingerprint(model: nn.Module, wrapping: 'Wrapping', layout: Optional['Layout'],
                 world_size: int) -> Dict[str, List[str]]:
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
-    spec = wrapping.sharding_spec(layout, world_size) if layout is not None else None
+    spec = wrapping.config.sharding_spec(layout, world_size) if layout is not None else None
     return {
         'versions': [f'mmfsdp {VERSION}', f'torch {torch.__version__}',
                      f'mmengine {mmengine.__version__}',
@@ -285,11 +285,6 @@ class UsageProbe:
         return sorted(used)
 
 
-def _names_digest(names: List[str]) -> int:
-    data = '\n'.join(names).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little', signed=True)
-
-
 def check_same_parameters_used(used: List[str],
                                group: Optional[dist.ProcessGroup] = None) -> None:
     """Raise the same ``RuntimeError`` on every rank if the ranks used different parameters."""
@@ -298,7 +293,7 @@ def check_same_parameters_used(used: List[str],
     group = group if group is not None else control_group()
     world_size = dist.get_world_size()
     digests = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(digests, torch.tensor([_names_digest(used)], dtype=torch.int64), group=group)
+    dist.all_gather(digests, torch.tensor([_digest(used)], dtype=torch.int64), group=group)
     if len({d.item() for d in digests}) == 1:
         return
     everyone: List[Optional[List[str]]] = [None] * world_size

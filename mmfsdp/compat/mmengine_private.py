@@ -4,9 +4,7 @@ mmengine 0.10.7 has no public hook for what the sharded runner changes in
 ``Runner.train()``, ``CheckpointHook`` saving or ``OptimWrapper`` clipping.
 """
 import contextlib
-import inspect
 from collections import deque
-from types import FrameType
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -16,7 +14,7 @@ from mmengine.model.weight_init import PretrainedInit, update_init_info
 from mmengine.optim import OptimWrapper
 from mmengine.runner import Runner
 
-__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'call_stack', 'init_without_amp_checks',
+__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'init_without_amp_checks',
            'load_from', 'mark_checkpoint_loaded', 'norm_clip_options', 'pretrained_init_calls',
            'record_init_info', 'register_config_package', 'replace_grad_clipping',
            'resume_requested', 'set_fixed_loss_scale']
@@ -32,16 +30,6 @@ class RunnerSteps(Runner):
     def init_model_weights(self) -> None:
         """The stock step: ``model.init_weights()``, then broadcast every tensor from rank 0."""
         Runner._init_model_weights(self)
-
-
-def call_stack() -> Iterator[FrameType]:
-    """The frames running in this thread, from the caller outwards."""
-    # why: no hook tells a model wrapper which runner (stock, Flexible, FSDPRunner) builds it
-    frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
 
 
 def load_from(runner: Runner) -> Optional[str]:

@@ -1,4 +1,5 @@
 """The private torch API mmfsdp relies on, each use with its reason."""
+import dataclasses
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -12,15 +13,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 
 # why: FSDP1 has no public reshard; its post-backward callback runs this one
 from torch.distributed.fsdp._runtime_utils import _reshard
 
+# why: the one base of BatchNorm1d/2d/3d and SyncBatchNorm is private
+from torch.nn.modules.batchnorm import _BatchNorm as BATCH_NORM_BASE  # noqa: N811
+
 # why: the only way to see each aten operator a constructor or initialiser runs
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
-__all__ = ['ActivationWrapper', 'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'DCPNameHook',
+__all__ = ['ActivationWrapper', 'BATCH_NORM_BASE', 'fsdp1_fp32_classes', 'with_fsdp1_fp32_classes',
+           'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'dcp_drops_names',
            'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2',
            'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
            'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
@@ -71,6 +76,18 @@ def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> Non
     module._sync_gradients = sync
 
 
+def fsdp1_fp32_classes(mixed_precision: MixedPrecision) -> Tuple[type, ...]:
+    """The module classes an FSDP1 ``MixedPrecision`` keeps in full precision."""
+    # why: FSDP1 names the field privately (experimental) in its public dataclass
+    return tuple(mixed_precision._module_classes_to_ignore)
+
+
+def with_fsdp1_fp32_classes(mixed_precision: MixedPrecision,
+                            classes: Tuple[type, ...]) -> MixedPrecision:
+    """``mixed_precision`` keeping exactly ``classes`` in full precision."""
+    return dataclasses.replace(mixed_precision, _module_classes_to_ignore=classes)
+
+
 def compiled_modules(module: nn.Module) -> Tuple[str, ...]:
     """Names of the submodules of ``module`` whose calls ``nn.Module.compile`` compiled."""
     # why: Module.compile keeps the compiled call only in this private attribute
@@ -93,16 +110,15 @@ def checkpoint_inner(module: nn.Module) -> Optional[nn.Module]:
     return module._modules[CHECKPOINT_WRAPPED_MODULE]  # why: the wrapper's only child
 
 
-class DCPNameHook:
-    """Mixin for a wrapper whose children DCP names without the components it lists."""
+def dcp_drops_names(cls: type) -> type:
+    """Class decorator: DCP names ``cls``'s state without what ``dropped_name_components`` lists.
 
-    def _fqn_modifiers(self) -> Dict[str, str]:
-        # why: DCP's private hook (torch >= 2.7); without it DCP expects 'module.'-prefixed keys
-        return self.dropped_name_components()
-
-    def dropped_name_components(self) -> Dict[str, str]:
-        """``{child name: component}`` that state-dict keys leave out."""
-        raise NotImplementedError
+    ``cls.dropped_name_components(self) -> {child name: component}`` says which
+    components state-dict keys leave out.
+    """
+    # why: DCP's private hook (torch >= 2.7); without it DCP expects 'module.'-prefixed keys
+    cls._fqn_modifiers = lambda self: self.dropped_name_components()
+    return cls
 
 
 def convert_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

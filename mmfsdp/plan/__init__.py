@@ -27,7 +27,7 @@ from .report import format_plan, plan_to_dict, plan_warnings
 __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
            'Unit', 'format_plan', 'heap_threshold', 'log_sharding_plan', 'make_plan',
            'optimizer_states_per_param', 'plan_for', 'plan_of', 'plan_to_dict', 'plan_warnings',
-           'step_peak', 'trace_for', 'trace_step']
+           'step_peak', 'trace_for', 'trace_of', 'trace_step']
 
 #: Names served from the tracer's modules on first use (PEP 562).
 _LAZY = dict(BatchFn='.trace', StepTrace='.trace', trace_step='.trace', StepPeak='.step',
@@ -41,11 +41,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _wrapping(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> Wrapping:
-    wrapping = resolve_wrapper(dict(wrapper_cfg, type=wrapper_cls))
-    if not wrapping.ours:
-        raise TypeError(f'{wrapper_cls.__name__} has no sharding plan; plans are available '
-                        "for mmfsdp's wrappers")
-    return wrapping
+    return resolve_wrapper(dict(wrapper_cfg, type=wrapper_cls))
 
 
 def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
@@ -62,7 +58,14 @@ def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
 
 def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
               batch: Any, world_size: int = 1) -> Any:
-    """Trace one training step of ``model`` as the wrapper config computes it.
+    """Trace one training step of ``model`` under a ``model_wrapper_cfg`` (see :func:`trace_of`)."""
+    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
+    return trace_of(wrapping, wrapping.layout(model), model, batch, world_size)
+
+
+def trace_of(wrapping: Wrapping, layout: Layout, model: nn.Module, batch: Any,
+             world_size: int = 1) -> Any:
+    """Trace one training step of ``model`` as the resolved config and its layout compute it.
 
     Honours ``activation_checkpointing`` (each mode) and the mixed-precision
     ``param_dtype``, and attributes activations to the wrap policy's units.
@@ -72,9 +75,7 @@ def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Modul
     save (1), and the plan interpolates between those two traces.
     """
     from .trace import trace_step
-    wrapping = _wrapping(wrapper_cls, wrapper_cfg)
-    layout = wrapping.layout(model)
-    spec = wrapping.sharding_spec(layout, world_size)
+    spec = _spec(wrapping, layout, world_size)
     trace = functools.partial(trace_step, model, batch, units=spec.units,
                               compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units)
     checkpointing = layout.checkpointing
@@ -104,17 +105,28 @@ def plan_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module
     ``TypeError`` for a wrapper that is not mmfsdp's.
     """
     wrapping = _wrapping(wrapper_cls, wrapper_cfg)
-    return make_plan(model, wrapping.sharding_spec(wrapping.layout(model), world_size),
-                     world_size, optimizer_states_per_param(dict(optimizer_cfg or {})), ema=ema,
-                     accumulative_counts=accumulative_counts,
-                     reduce_dtype=reduce_dtype_of(wrapping))
+    return plan_of(wrapping, wrapping.layout(model), model, world_size,
+                   dict(optimizer=optimizer_cfg or {}, accumulative_counts=accumulative_counts),
+                   ema)
 
 
-def plan_of(wrapping: Wrapping, layout: Layout, model: nn.Module, world_size: int,
-            optim_wrapper_cfg: Mapping[str, Any], ema: bool) -> Plan:
-    """The plan from an already resolved config and layout (what the runner holds)."""
+def _spec(wrapping: Wrapping, layout: Optional[Layout], world_size: int) -> ShardingSpec:
+    if not wrapping.ours:
+        raise TypeError(f'{wrapping.cls.__name__} has no sharding plan; plans are available '
+                        "for mmfsdp's wrappers")
+    return wrapping.config.sharding_spec(layout, world_size)
+
+
+def plan_of(wrapping: Wrapping, layout: Optional[Layout], model: nn.Module, world_size: int,
+            optim_wrapper_cfg: Mapping[str, Any], ema: bool = False) -> Plan:
+    """The plan from a resolved config and its layout: what the runner and the CLI hold.
+
+    ``optim_wrapper_cfg`` is the config's ``optim_wrapper`` (its ``optimizer``
+    and ``accumulative_counts``); ``ema``: an ``EMAHook`` is configured.
+    Raises ``TypeError`` for a wrapper that is not mmfsdp's.
+    """
     optimizer = optim_wrapper_cfg.get('optimizer')
-    return make_plan(model, wrapping.sharding_spec(layout, world_size), world_size,
+    return make_plan(model, _spec(wrapping, layout, world_size), world_size,
                      optimizer_states_per_param(
                          dict(optimizer) if isinstance(optimizer, Mapping) else {}),
                      ema=ema, accumulative_counts=optim_wrapper_cfg.get('accumulative_counts', 1),

@@ -5,10 +5,11 @@ one step for its peak per rank (``--fit-memory``: what fits). See ``docs/plan.md
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from mmengine.config import DictAction
@@ -20,18 +21,19 @@ import mmfsdp  # noqa: F401  (fills the registries)
 from ..config import load_config
 from ..dist import current_device
 from ..ema import configures_ema
+from ..layers import AC_KEY, ActivationCheckpointing
 from ..meta_init import empty_weights
+from ..policies import ModelIndex
 from ..runner import revert_sync_bn
-from ..wrappers.builder import resolve_wrapper_type
-from . import format_plan, plan_for, plan_to_dict, step_peak, trace_for
+from ..wrappers.base import Layout
+from ..wrappers.builder import model_wrapper_config, resolve_wrapper
+from . import format_plan, plan_of, plan_to_dict, step_peak, trace_of
 from .batch import config_batch, shape_batch
 from .fit import fit, parse_bytes
 from .host import ALLOCATORS, heap_threshold, launch_allocator
 from .report import format_step, size_text
 
-DEFAULT_WRAPPER = dict(type='mmfsdp.MMDistributedDataParallel')
 PROG = 'python -m mmfsdp.plan'
-AC_KEY = 'model_wrapper_cfg.activation_checkpointing'
 DTYPES = dict(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16,
               int64=torch.int64, int32=torch.int32, uint8=torch.uint8)
 
@@ -105,7 +107,7 @@ def _unit_classes(model: nn.Module, units: Sequence[str]) -> List[str]:
     return list(dict.fromkeys(type(model.get_submodule(u)).__name__ for u in units))
 
 
-def _checkpointing(choice: Optional[List[str]], wrapper_cfg: Dict[str, Any],
+def _checkpointing(choice: Optional[List[str]], wrapper_cfg: Mapping[str, Any],
                    model: nn.Module, units: Sequence[str]) -> List[str]:
     """The layer classes to checkpoint: the config's, or the what-if's."""
     configured = list((wrapper_cfg.get('activation_checkpointing') or {}).get('layer_cls', []))
@@ -124,32 +126,29 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     cfg = load_config(args.config)
     cfg.merge_from_dict(args.cfg_options)
     scope = cfg.get('default_scope', 'mmengine')
-    wrapper_cfg = dict(cfg.get('model_wrapper_cfg') or DEFAULT_WRAPPER)
-    wrapper_cls = resolve_wrapper_type(wrapper_cfg, scope)
+    wrapping = resolve_wrapper(model_wrapper_config(cfg), scope)  # once, as FSDPRunner does
     device = args.device or current_device().type
     model, converted = build_model(cfg, scope, device)
     if converted:  # as FSDPRunner logs it
         print(f'SyncBatchNorm needs an accelerator and {device!r} is not one: planned as '
               f'BatchNorm, as FSDPRunner converts them there ({len(converted)} modules: '
               f"{', '.join(converted)})", file=sys.stderr)
-    optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer', {})
-    counts = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
+    optim_wrapper = cfg.get('optim_wrapper') or {}
+    optimizer = optim_wrapper.get('optimizer', {})
+    counts = optim_wrapper.get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
     allocator = args.cpu_allocator
     if device == 'cpu' and allocator == 'auto':
         allocator = launch_allocator()
     heap = heap_threshold(device, 'glibc' if allocator == 'auto' else allocator)
-    spec = plan_for(wrapper_cls, wrapper_cfg, model, args.world_size[0], optimizer,
-                    ema=ema).spec
+    layout = wrapping.layout(model)  # once: the layout does not depend on the world size
     # the policy's units; not the modules kept in fp32 (a BatchNorm recomputed in backward
     # would update its running statistics twice)
-    units = [u for u in spec.units if u not in spec.fp32_units]
-    checkpoint = _checkpointing(args.activation_checkpointing, wrapper_cfg, model, units)
+    units = list(layout.units) if layout is not None else []
+    checkpoint = _checkpointing(args.activation_checkpointing, wrapping.options, model, units)
     if args.activation_checkpointing and budget is None:  # --fit-memory tries them all
-        wrapper_cfg['activation_checkpointing'] = (dict(layer_cls=checkpoint) if checkpoint
-                                                   else None)
-    plans = [plan_for(wrapper_cls, wrapper_cfg, model, n, optimizer, ema=ema,
-                      accumulative_counts=counts) for n in args.world_size]
+        layout = _checkpointed(layout, model, checkpoint)
+    plans = [plan_of(wrapping, layout, model, n, optim_wrapper, ema) for n in args.world_size]
     if args.no_trace and budget is None:
         return '\n\n'.join(format_plan(p) for p in plans), [plan_to_dict(p) for p in plans]
     with DefaultScope.overwrite_default_scope(scope):
@@ -162,7 +161,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
                 if not args.input_shape:
                     batch, size = config_batch(cfg.get('train_dataloader'), scope,
                                                args.batch_size)
-                found = fit(model, wrapper_cfg, scope, batch, size, args.world_size, layers,
+                found = fit(model, wrapping.options, scope, batch, size, args.world_size, layers,
                             optimizer, ema, heap_threshold=heap, accumulative_counts=counts)
             except Exception as e:  # nothing to list without a traced step: say why, briefly
                 raise SystemExit(f'{PROG}: error: --fit-memory needs one training step traced; '
@@ -171,7 +170,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
         try:
             if not args.input_shape:
                 batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
-            trace = trace_for(wrapper_cls, wrapper_cfg, model, batch, args.world_size[0])
+            trace = trace_of(wrapping, layout, model, batch, args.world_size[0])
         except Exception as e:  # the model states still hold: print them, and why no step
             reason = f'activations not traced: {_why_no_trace(e)}; --no-trace skips the trace'
             return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
@@ -179,6 +178,16 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     steps = [step_peak(p, trace, size, heap) for p in plans]
     text = '\n\n'.join(format_plan(p) + '\n' + format_step(s) for p, s in zip(plans, steps))
     return text, [dict(plan_to_dict(p), step=s.to_dict()) for p, s in zip(plans, steps)]
+
+
+def _checkpointed(layout: Optional[Layout], model: nn.Module, layer_cls: List[str]) -> Any:
+    """``layout`` with the what-if's checkpointed layers (``[]``: none), without a new walk."""
+    if layout is None:  # not mmfsdp's wrapper: plan_of says so
+        return layout
+    classes = ModelIndex(model).classes_of(layer_cls, f'{AC_KEY}.layer_cls') if layer_cls else ()
+    return dataclasses.replace(
+        layout, checkpoint_layers=classes,
+        checkpointing=ActivationCheckpointing(layer_cls=tuple(layer_cls)) if classes else None)
 
 
 def _why_no_trace(error: Exception) -> str:

@@ -9,16 +9,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..wrappers.builder import resolve_wrapper_type
+from ..wrappers.builder import resolve_wrapper
+from ..wrappers.ddp import NAME as DDP
+from ..wrappers.fsdp import NAME as FSDP1
+from ..wrappers.fsdp2 import NAME as FSDP2
 from .memory import Plan
 from .step import StepPeak, step_peak
 from .trace import BatchFn, StepTrace
 
 __all__ = ['Candidate', 'candidates', 'fit', 'parse_bytes']
 
-FSDP1 = 'mmfsdp.MMFullyShardedDataParallel'
-FSDP2 = 'mmfsdp.MMFullyShard'
-DDP = 'mmfsdp.MMDistributedDataParallel'
 #: (label, wrapper type, options), in the order of their communication cost.
 STRATEGIES: Tuple[Tuple[str, str, Dict[str, Any]], ...] = (
     ('DDP', DDP, {}),
@@ -89,19 +89,20 @@ def fit(model: nn.Module, wrapper_cfg: Mapping[str, Any], scope: str, batch: Bat
     ``heap_threshold``: training on a CPU host (:func:`.host.heap_threshold`);
     ``accumulative_counts``: the optim wrapper's micro-steps per optimizer step.
     """
-    from . import plan_for, trace_for
+    from . import plan_of, trace_of
     traces: Dict[Tuple[Any, ...], StepTrace] = {}
     found = []
+    optim_wrapper = dict(optimizer=optimizer_cfg or {}, accumulative_counts=accumulative_counts)
     # FSDP candidates first into the cache: their traces attribute activations to units
     tried = candidates(wrapper_cfg, model, checkpoint_layer_cls)
     for label, cfg, checkpointing in sorted(tried, key=lambda c: c[1]['type'] == DDP):
-        cls = resolve_wrapper_type(cfg, scope)
+        wrapping = resolve_wrapper(cfg, scope)  # once per candidate, laid out once
+        layout = wrapping.layout(model)
         key = (checkpointing, repr(cfg.get('mixed_precision')))  # what the trace depends on
         if key not in traces:
-            traces[key] = trace_for(cls, cfg, model, batch)
+            traces[key] = trace_of(wrapping, layout, model, batch)
         for n in world_sizes:
-            plan: Plan = plan_for(cls, cfg, model, n, optimizer_cfg, ema=ema,
-                                  accumulative_counts=accumulative_counts)
+            plan: Plan = plan_of(wrapping, layout, model, n, optim_wrapper, ema)
             step = step_peak(plan, traces[key], batch_size, heap_threshold)
             if budget is None or step.total_bytes <= budget:
                 found.append(Candidate(label, cfg, n, checkpointing, step))

@@ -1,27 +1,27 @@
-"""What every mmfsdp wrapper shares: the protocol, the resolved config, the steps, the guard.
+"""What every mmfsdp wrapper shares: the resolved config, the layout, the one base class.
 
-- :class:`ParallelWrapper`: what :class:`mmfsdp.FSDPRunner`, the optimizer
-  set-up, the plan and the rank agreement ask of a wrapper class.
 - :class:`WrapperConfig` and :class:`Layout`: a ``model_wrapper_cfg`` resolved
-  once into typed values, and the model walked once into its units. The
-  runner computes both and hands them to every consumer.
-- :class:`DataParallelSteps`: mmengine's ``train_step`` / ``val_step`` /
-  ``test_step`` through the wrapper's forward (FSDP gathers there).
+  once into typed values, and the model (its :class:`~mmfsdp.policies.ModelIndex`)
+  cut once into units. The runner computes both and hands them to every consumer.
 - :class:`ShardingSpec`: what a wrapper will do with a model, without doing
   it; the input of the memory plan and of the ranks' agreement.
-- :func:`reject_stock_runner`: sharded wrappers refuse mmengine's stock
-  ``Runner`` and ``FlexibleRunner``, which initialise and clip in ways that
-  sharding breaks.
+- :class:`ParallelWrapper`: the one base class: mmengine's ``train_step`` /
+  ``val_step`` / ``test_step`` through the wrapper's forward (FSDP gathers
+  there), ``no_sync`` as ``accumulation`` says, clipping by the global norm.
+  Sharded wrappers are built as ``Wrapper(module, config=..., layout=...)``
+  (what :class:`mmfsdp.FSDPRunner` passes) or, by hand,
+  ``Wrapper.from_options(module, **options)``; mmengine's stock ``Runner`` and
+  ``FlexibleRunner`` pass keyword options and are refused for it
+  (:func:`refuse_keyword_build`).
 """
-import abc
 import contextlib
+import dataclasses
 import enum
 from dataclasses import dataclass, fields
 from typing import (
     Any,
     Callable,
     ClassVar,
-    ContextManager,
     Dict,
     Iterator,
     List,
@@ -36,11 +36,9 @@ from typing import (
 import torch
 from mmengine.model import BaseModel
 from mmengine.model.utils import detect_anomalous_params
-from mmengine.optim import OptimWrapper
-from mmengine.runner import FlexibleRunner, Runner
 from torch import nn
 
-from ..compat import DCPNameHook, call_stack
+from ..compat import dcp_drops_names
 from ..dist import current_device
 from ..layers import (
     AC_KEY,
@@ -52,25 +50,17 @@ from ..layers import (
     resolve_activation_checkpointing,
     resolve_regional_compile,
 )
-from ..options import (
-    Accumulation,
-    Fp32Modules,
-    check_keys,
-    computes_in_low_precision,
-    resolve_fp32_modules,
-)
-from ..policies import PolicyConfig, WrapPolicy, build_wrap_policy, plan_units
+from ..optim import clip_grads_by_global_norm
+from ..options import Accumulation, check_keys, computes_in_low_precision, move_fp32_modules
+from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
 
-__all__ = ['Construction', 'DataParallelSteps', 'LAYER_RESOLVERS', 'Layout', 'ModelHolder',
-           'Padding', 'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig',
-           'fp32_module_names', 'is_parallel_wrapper', 'own_steps', 'reject_stock_runner',
-           'separate_roots', 'units_children_first', 'within']
+__all__ = ['Construction', 'Layout', 'ModelHolder', 'Padding', 'ParallelWrapper', 'STEPS',
+           'ShardingSpec', 'WrapperConfig', 'is_parallel_wrapper', 'own_steps',
+           'refuse_keyword_build', 'units_children_first']
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
-
-Data = Union[dict, tuple, list]
-Resolver = Callable[[Any], Any]
+_FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
 
 
 def own_steps(module: nn.Module) -> List[str]:
@@ -205,24 +195,13 @@ class Layout:
     #: computes below fp32.
     fp32_modules: Tuple[str, ...] = ()
 
+    def slice(self, root: str) -> 'Layout':
+        """The part of this layout inside child ``root``, named from it (a separate root's)."""
+        def inside(names: Tuple[str, ...]) -> Tuple[str, ...]:
+            return tuple(n[len(root) + 1:] for n in names if n.startswith(f'{root}.'))
 
-def fp32_module_names(module: nn.Module, fp32_modules: Fp32Modules,
-                      param_dtype: Optional[torch.dtype]) -> Tuple[str, ...]:
-    """The outermost submodules of ``fp32_modules`` classes (one inside another adds nothing).
-
-    Empty unless ``param_dtype`` computes below fp32; the names are checked
-    against ``module`` either way.
-    """
-    classes = resolve_fp32_modules(fp32_modules, module)
-    if not classes or not computes_in_low_precision(param_dtype):
-        return ()
-    kept = [name for name, m in module.named_modules() if isinstance(m, classes)]
-    return tuple(name for name in kept if not any(within(name, k) for k in kept if k != name))
-
-
-def within(name: str, ancestor: str) -> bool:
-    """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""
-    return ancestor == '' or name == ancestor or name.startswith(f'{ancestor}.')
+        return dataclasses.replace(self, units=inside(self.units), roots=None,
+                                   fp32_modules=inside(self.fp32_modules))
 
 
 def units_children_first(units: Tuple[str, ...], extra: Tuple[str, ...]) -> Tuple[str, ...]:
@@ -235,6 +214,12 @@ def units_children_first(units: Tuple[str, ...], extra: Tuple[str, ...]) -> Tupl
     return tuple(merged)
 
 
+#: The resolvers of the options every wrapper has (:mod:`mmfsdp.layers`).
+LAYER_RESOLVERS: Mapping[str, Callable[[Any], Any]] = dict(
+    activation_checkpointing=resolve_activation_checkpointing,
+    regional_compile=resolve_regional_compile)
+
+
 class WrapperConfig:
     """Base of the resolved wrapper configs (frozen dataclasses).
 
@@ -244,25 +229,24 @@ class WrapperConfig:
     """
 
     #: ``option -> resolver`` (raising on bad input); options without one are kept as written.
-    RESOLVERS: ClassVar[Mapping[str, Resolver]] = {}
-    #: Keys accepted besides the fields, turned into fields by :meth:`_translate`.
-    TRANSLATED: ClassVar[Tuple[str, ...]] = ()
+    RESOLVERS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
     #: The wrapper's name in configs and errors.
     NAME: ClassVar[str] = ''
     #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
     trainable_roots_only: ClassVar[bool] = False
 
-    auto_wrap_policy: PolicyConfig
-    activation_checkpointing: Optional[ActivationCheckpointing]
-    regional_compile: Optional[RegionalCompile]
-    init_device: Optional[str]
-    accumulation: Accumulation
+    auto_wrap_policy: PolicyConfig = None
+    activation_checkpointing: Optional[ActivationCheckpointing] = None
+    regional_compile: Optional[RegionalCompile] = None
+    init_device: Optional[str] = None
+    accumulation: Accumulation = Accumulation.SHARDED
+    fp32_modules: Tuple[Any, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> Any:
         """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
-        check_keys(cfg, [f.name for f in fields(cls)] + list(cls.TRANSLATED), 'model_wrapper_cfg')
         options = cls._translate(dict(cfg))
+        check_keys(options, [f.name for f in fields(cls)], 'model_wrapper_cfg')
         resolvers = {**LAYER_RESOLVERS, **cls.RESOLVERS}
         config = cls(**{name: resolvers.get(name, _as_is)(value)
                         for name, value in options.items()})
@@ -271,12 +255,20 @@ class WrapperConfig:
 
     @classmethod
     def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
-        return cfg
+        """Options written another way, as fields (``mixed_precision.fp32_modules``)."""
+        return move_fp32_modules(cfg)
 
-    def layout(self, module: nn.Module) -> Layout:
-        """Check the model-dependent options against ``module`` and walk it once into units."""
-        policy = build_wrap_policy(self.auto_wrap_policy, module)
-        units = tuple(plan_units(module, policy)) if policy is not None else ()
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype mixed precision computes in (``None``: the parameters' own)."""
+        return None
+
+    def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
+        """Check the model-dependent options against the model (or its index); cut it in units."""
+        index = ModelIndex.of(index)
+        module = index.model
+        policy = build_wrap_policy(self.auto_wrap_policy, index)
+        units = tuple(plan_units(index, policy)) if policy is not None else ()
         if policy is not None and not units:
             raise ValueError(f'model_wrapper_cfg.auto_wrap_policy: {self.auto_wrap_policy!r} '
                              f'makes no unit of any submodule of {type(module).__name__}, so '
@@ -286,27 +278,19 @@ class WrapperConfig:
         roots = None
         if own_steps(module):
             roots = tuple(separate_roots(module, self.NAME, self.trainable_roots_only))
-            self._check_own_steps(module)
-        return Layout(policy=policy, units=self._merge(module, units), roots=roots,
-                      fp32_modules=self._fp32_modules(module), **self._layers(module))
+        classes = index.classes_of(self.fp32_modules, _FP32_KEY)  # names checked either way
+        kept = index.named(classes) if computes_in_low_precision(self.compute_dtype) else []
+        fp32 = tuple(n for n in kept if not any(within(n, k) for k in kept if k != n))
+        return Layout(policy=policy, units=units, roots=roots, fp32_modules=fp32,
+                      **self._layers(index))
 
-    def _layers(self, module: nn.Module) -> Dict[str, Any]:
+    def _layers(self, index: ModelIndex) -> Dict[str, Any]:
         """The layout's checkpointed and compiled layers (:mod:`mmfsdp.layers`)."""
         return dict(
-            checkpoint_layers=layer_classes(self.activation_checkpointing, module, AC_KEY),
+            checkpoint_layers=layer_classes(self.activation_checkpointing, index, AC_KEY),
             checkpointing=self.activation_checkpointing,
-            compile_layers=layer_classes(self.regional_compile, module, COMPILE_KEY),
+            compile_layers=layer_classes(self.regional_compile, index, COMPILE_KEY),
             regional_compile=self.regional_compile)
-
-    def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
-        return units
-
-    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
-        """Names of the submodules kept in fp32 under this config's mixed precision."""
-        return ()
-
-    def _check_own_steps(self, module: nn.Module) -> None:
-        """Raise on options that a model running its own steps cannot honour."""
 
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
         """How this config shards the model of ``layout`` over ``world_size`` ranks."""
@@ -329,31 +313,32 @@ def _as_is(value: Any) -> Any:
     return value
 
 
-#: The resolvers of the options every wrapper has (:mod:`mmfsdp.layers`).
-LAYER_RESOLVERS: Mapping[str, Resolver] = dict(
-    activation_checkpointing=resolve_activation_checkpointing,
-    regional_compile=resolve_regional_compile)
+def refuse_keyword_build(wrapper: type, config: Any, layout: Any, options: Mapping) -> None:
+    """Raise ``RuntimeError`` unless a sharded wrapper got a resolved ``config`` and ``layout``.
+
+    mmengine's stock ``Runner`` and its ``FlexibleRunner`` build a wrapper from
+    the config's keyword options: that is how they are told apart, and refused.
+    """
+    if config is not None and layout is not None and not options:
+        return
+    name = wrapper.__name__
+    raise RuntimeError(
+        f'{name} takes (module, *, config=..., layout=...) as mmfsdp.FSDPRunner builds it, and '
+        f'got keyword options {sorted(options)}: this is how mmengine\'s stock Runner and '
+        'FlexibleRunner build wrappers, and they initialise weights after sharding, group '
+        "parameters by their shards and clip by per-shard norms. Set runner_type='mmfsdp."
+        "FSDPRunner' in the config (with model_wrapper_cfg instead of a FlexibleRunner "
+        f'strategy); to build one by hand, call {name}.from_options(module, **options)')
 
 
-def resolved(config_cls: Type[WrapperConfig], config: Optional[WrapperConfig],
-             options: Mapping[str, Any]) -> Any:
-    """``config`` if given (then no ``options``), else ``options`` resolved."""
-    if config is None:
-        return config_cls.from_dict(options)
-    if options:
-        raise TypeError(f'{config_cls.NAME}: give a resolved config or options, not both '
-                        f'(got config and {sorted(options)})')
-    return config
+class ParallelWrapper(nn.Module):
+    """The base of mmfsdp's model wrappers: what the runner, the optimizer and the plan use.
 
-
-class ParallelWrapper(abc.ABC):
-    """What an mmfsdp model wrapper offers the runner, the optimizer, the plan and checkpoints.
-
-    A wrapper is an ``nn.Module`` holding the model as ``self.module``
-    (mmengine's contract), built as ``Wrapper(module, **options)`` or, by the
-    runner, ``Wrapper(module, config=..., layout=...)`` from the objects it
-    resolved once. :attr:`CONFIG` resolves options; instance members serve
-    training.
+    A wrapper holds the model as ``self.module`` (mmengine's contract) and
+    offers mmengine's steps through its own forward (a model that defines a
+    step itself, a GAN's ``train_step``, gets it called), ``no_sync`` as
+    ``model_wrapper_cfg.accumulation`` says and ``clip_grad_norm_`` by the norm
+    over all ranks. :attr:`CONFIG` resolves its options.
     """
 
     #: The wrapped model (mmengine's wrapper contract).
@@ -362,60 +347,28 @@ class ParallelWrapper(abc.ABC):
     CONFIG: ClassVar[Type[WrapperConfig]]
     #: Whether the wrapper materialises a model built on the meta device.
     supports_meta_init: ClassVar[bool] = False
-
-    @classmethod
-    def check_config(cls, config: Mapping[str, Any], module: Optional[nn.Module] = None) -> None:
-        """Raise on a bad config for this device; with ``module``, on model-dependent ones."""
-        resolved_cfg = cls.CONFIG.from_dict(config)
-        resolved_cfg.check_device(current_device())
-        if module is not None:
-            resolved_cfg.layout(module)
-
-    @classmethod
-    def sharding_spec(cls, config: Mapping[str, Any], module: nn.Module,
-                      world_size: int) -> ShardingSpec:
-        """How ``config`` shards ``module`` over ``world_size`` ranks, without sharding."""
-        resolved_cfg = cls.CONFIG.from_dict(config)
-        return resolved_cfg.sharding_spec(resolved_cfg.layout(module), world_size)
-
-    @abc.abstractmethod
-    def no_sync(self) -> ContextManager[None]:
-        """Within the context, backward accumulates gradients locally, unreduced."""
-
-    @abc.abstractmethod
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale all gradients to a norm over all ranks of at most ``max_norm`` (collective)."""
-
-    @abc.abstractmethod
-    def train_step(self, data: Any, optim_wrapper: Any) -> Dict[str, torch.Tensor]:
-        """The training step of mmengine's loops, through the wrapper's forward."""
-
-    @abc.abstractmethod
-    def val_step(self, data: Any) -> list:
-        """The validation step of mmengine's loops."""
-
-    @abc.abstractmethod
-    def test_step(self, data: Any) -> list:
-        """The test step of mmengine's loops."""
-
-
-def is_parallel_wrapper(wrapper_cls: Any) -> bool:
-    """Whether ``wrapper_cls`` (a class) implements :class:`ParallelWrapper`."""
-    return isinstance(wrapper_cls, type) and issubclass(wrapper_cls, ParallelWrapper)
-
-
-class DataParallelSteps:
-    """mmengine's ``BaseModel`` steps for a wrapper holding the model in ``self.module``.
-
-    The forward always goes through the *wrapper*, so FSDP gathers parameters
-    for prediction as well as for training. A model that defines a step itself
-    (a GAN's ``train_step``, ``BaseTTAModel.test_step``) gets it called.
-    """
-
     #: mmengine's DDP option: log parameters that took no part in the loss.
     detect_anomalous_params: bool = False
+    #: ``model_wrapper_cfg.accumulation``.
+    _accumulation: Accumulation = Accumulation.SHARDED
+    #: Whether the backward of the next forward reduces gradients (False inside no_sync).
+    _sync_next_backward: bool = True
+    #: Whether it also all-reduces them across replicas (False inside a hybrid no_sync).
+    _all_reduce_next_backward: bool = True
 
-    def train_step(self, data: Data, optim_wrapper: OptimWrapper) -> Dict[str, torch.Tensor]:
+    @classmethod
+    def from_options(cls, module: nn.Module, **options: Any) -> nn.Module:
+        """Wrap ``module`` with keyword options, by hand (``options``: ``model_wrapper_cfg``)."""
+        config = cls.CONFIG.from_dict(options)
+        config.check_device(current_device())
+        return cls.wrap(module, config, config.layout(ModelIndex(module)))
+
+    @classmethod
+    def wrap(cls, module: nn.Module, config: WrapperConfig, layout: Layout) -> nn.Module:
+        """The wrapper of ``config`` around ``module``, laid out as ``layout``."""
+        return cls(module, config=config, layout=layout)
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> Dict[str, torch.Tensor]:
         """Forward, backward and (on update iterations) step; returns the log variables."""
         if 'train_step' in own_steps(self.module):
             return self.module.train_step(data, optim_wrapper)
@@ -428,19 +381,19 @@ class DataParallelSteps:
         optim_wrapper.update_params(parsed_loss)
         return log_vars
 
-    def val_step(self, data: Data) -> list:
+    def val_step(self, data: Any) -> list:
         """Predictions for a validation batch (``mode='predict'``), or the model's own."""
         if 'val_step' in own_steps(self.module):
             return self.module.val_step(data)
         return self._run_forward(self.module.data_preprocessor(data, training=False), 'predict')
 
-    def test_step(self, data: Data) -> list:
+    def test_step(self, data: Any) -> list:
         """Predictions for a test batch (``mode='predict'``), or the model's own."""
         if 'test_step' in own_steps(self.module):
             return self.module.test_step(data)
         return self._run_forward(self.module.data_preprocessor(data, training=False), 'predict')
 
-    def _run_forward(self, data: Data, mode: str) -> Any:
+    def _run_forward(self, data: Any, mode: str) -> Any:
         if isinstance(data, dict):
             return self(**data, mode=mode)
         if isinstance(data, (list, tuple)):
@@ -448,27 +401,17 @@ class DataParallelSteps:
         raise TypeError('the data_preprocessor must return a dict, list or tuple, '
                         f'got {type(data).__name__}')
 
-
-class AccumulationNoSync:
-    """``no_sync`` that follows ``model_wrapper_cfg.accumulation``, decided at forward time.
-
-    mmengine's ``optim_context`` enters ``no_sync`` around the forward only and
-    runs backward after leaving it, so (as with DDP) the setting is recorded
-    here and the wrapper applies it at its next forward. ``'sharded'``: nothing
-    (every micro-step reduce-scatters); ``'unsharded'``: full local gradients
-    until a forward outside; ``'hybrid'``: no all-reduce across replicas until
-    a forward outside.
-    """
-
-    _accumulation: Accumulation = Accumulation.SHARDED
-    #: Whether the backward of the next forward reduces gradients (False inside no_sync).
-    _sync_next_backward: bool = True
-    #: Whether it also all-reduces them across replicas (False inside a hybrid no_sync).
-    _all_reduce_next_backward: bool = True
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """What mmengine enters on accumulation micro-steps; follows ``accumulation``."""
+        """What mmengine enters on accumulation micro-steps; follows ``accumulation``.
+
+        mmengine's ``optim_context`` enters ``no_sync`` around the forward only
+        and runs backward after leaving it, so (as with DDP) the setting is
+        recorded here and the wrapper applies it at its next forward.
+        ``'sharded'``: nothing (every micro-step reduce-scatters); ``'unsharded'``:
+        full local gradients until a forward outside; ``'hybrid'``: no
+        all-reduce across replicas until a forward outside.
+        """
         if self._accumulation is Accumulation.SHARDED:
             yield
             return
@@ -481,8 +424,19 @@ class AccumulationNoSync:
         finally:
             setattr(self, flag, previous)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their norm over all ranks; return it as a plain tensor."""
+        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
 
-class ModelHolder(DCPNameHook, nn.Module):
+
+def is_parallel_wrapper(wrapper_cls: Any) -> bool:
+    """Whether ``wrapper_cls`` (a class) is one of mmfsdp's wrappers."""
+    return isinstance(wrapper_cls, type) and issubclass(wrapper_cls, ParallelWrapper)
+
+
+@dcp_drops_names
+class ModelHolder(ParallelWrapper):
     """A wrapper that holds the model in ``self.module`` and answers with the model's names.
 
     Everything named (parameters, buffers, modules, state dicts, DCP's
@@ -491,8 +445,6 @@ class ModelHolder(DCPNameHook, nn.Module):
     structure keeps the wrapper: ``children()`` gives the model, so torch's
     recursive methods (``train``, ``to``, ``zero_grad``) reach it.
     """
-
-    module: nn.Module
 
     def named_parameters(self, prefix: str = '', recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -530,36 +482,3 @@ class ModelHolder(DCPNameHook, nn.Module):
     def dropped_name_components(self) -> Dict[str, str]:
         """Every child of the model is reached through ``module``, which names leave out."""
         return {name: 'module' for name, _ in self.module.named_children()}
-
-
-_STOCK_WRAP_MODEL = Runner.wrap_model.__code__
-
-#: What each refused runner gets wrong under sharding.
-_WHY = {
-    'Runner': "mmengine's stock Runner, which initialises weights after sharding, groups "
-              'parameters by their shards and clips by per-shard norms',
-    'FlexibleRunner': "mmengine's FlexibleRunner, whose strategies build the optimizer on the "
-                      'shards and clip by per-shard norms',
-}
-
-
-def reject_stock_runner(wrapper_name: str) -> None:
-    """Raise ``RuntimeError`` if mmengine's ``Runner.wrap_model`` or a ``FlexibleRunner`` builds us.
-
-    Neither runner offers a hook before it builds the wrapper, and both call
-    the constructor as a user would, so the builder is told apart by the call
-    stack: the stock ``wrap_model`` code object, or a ``FlexibleRunner`` method.
-    """
-    runner = None
-    for frame in call_stack():
-        if frame.f_code is _STOCK_WRAP_MODEL:
-            runner = 'Runner'
-            break
-        if isinstance(frame.f_locals.get('self'), FlexibleRunner):
-            runner = 'FlexibleRunner'
-            break
-    if runner is not None:
-        raise RuntimeError(
-            f'{wrapper_name} cannot be used with {_WHY[runner]}; set '
-            "runner_type='mmfsdp.FSDPRunner' in the config"
-            + (' (with model_wrapper_cfg instead of strategy)' if runner != 'Runner' else ''))

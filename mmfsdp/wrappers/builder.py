@@ -3,8 +3,9 @@
 :func:`resolve_wrapper` finds the class the config names (as mmengine's
 ``MODEL_WRAPPERS.build`` would: in the dict's ``_scope_`` or the config's
 ``default_scope``) and resolves its options into the wrapper's typed config,
-once per process. :meth:`Wrapping.layout` walks the model once; the rank
-agreement, the plan and :meth:`Wrapping.build` all take that layout.
+once per process. :meth:`Wrapping.layout` walks the model once (its
+:class:`~mmfsdp.policies.ModelIndex`); the rank agreement, the plan and
+:meth:`Wrapping.build` all take that layout.
 
 mmengine's FSDP wrapper is refused with the name to write instead. Other
 wrappers (mmengine's DDP, third-party ones) have their keywords checked and are
@@ -21,9 +22,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from ..options import check_keys, suggest, wrapper_options
+from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
-from .base import Layout, ShardingSpec, WrapperConfig, is_parallel_wrapper
-from .fsdp import MMFullyShardedDataParallel, MMSeparateFullyShardedDataParallel
+from .base import Layout, WrapperConfig, is_parallel_wrapper
 
 __all__ = ['DEFAULT_WRAPPER', 'Wrapping', 'model_wrapper_config', 'registered_wrapper_names',
            'resolve_wrapper', 'resolve_wrapper_type']
@@ -85,51 +86,32 @@ def resolve_wrapper_type(cfg: Mapping[str, Any], default_scope: Optional[str] = 
 class Wrapping:
     """A ``model_wrapper_cfg``, resolved: the class, its options as written, its typed config.
 
-    ``config`` is ``None`` for wrappers that are not mmfsdp's.
+    For wrappers that are not mmfsdp's, ``config`` is :class:`WrapperConfig`'s
+    defaults (no offload, no meta init, no staging) and there is no layout.
     """
 
     cls: type
     options: Mapping[str, Any]
-    config: Optional[WrapperConfig] = None
+    config: WrapperConfig = WrapperConfig()
 
     @property
     def ours(self) -> bool:
-        """Whether the wrapper is one of mmfsdp's (it then has a typed config and a plan)."""
-        return self.config is not None
-
-    @property
-    def offloads_to_cpu(self) -> bool:
-        """Whether the parameters stay on the CPU while training."""
-        return self.ours and self.config.offloads_to_cpu
+        """Whether the wrapper is one of mmfsdp's (it then has a layout and a plan)."""
+        return is_parallel_wrapper(self.cls)
 
     @property
     def meta_init(self) -> bool:
         """Whether the model is to be built on the meta device and wrapped at once."""
         return self.ours and self.cls.supports_meta_init and self.config.init_device == 'meta'
 
-    def stages_on_cpu(self, device: torch.device) -> bool:
-        """Whether the model waits on the CPU until the wrapper moves it unit by unit."""
-        return self.ours and self.config.stages_on_cpu(device)
-
     def layout(self, module: nn.Module) -> Optional[Layout]:
         """Check the config against ``module`` and walk it into units (``None``: not ours)."""
-        if not self.ours:
-            return None
-        return self.config.layout(module)
-
-    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
-        """How the config shards the model of ``layout`` over ``world_size`` ranks."""
-        if not self.ours:
-            raise TypeError(f'{self.cls.__name__} has no sharding plan; plans are available '
-                            "for mmfsdp's wrappers")
-        return self.config.sharding_spec(layout, world_size)
+        return self.config.layout(ModelIndex(module)) if self.ours else None
 
     def build(self, module: nn.Module, layout: Optional[Layout], device: torch.device,
               sync_module_states: bool = False) -> nn.Module:
-        """The wrapper around ``module``.
+        """The wrapper around ``module`` (the wrapper class picks its form: ``cls.wrap``).
 
-        A model with its own steps under FSDP1 gets
-        :class:`~mmfsdp.wrappers.fsdp.MMSeparateFullyShardedDataParallel`.
         ``sync_module_states``: the model stayed on the CPU until now, and the
         wrapper broadcasts rank 0's weights unit by unit on the device.
         """
@@ -142,10 +124,7 @@ class Wrapping:
         config = self.config
         if sync_module_states:
             config = dataclasses.replace(config, sync_module_states=True)
-        cls = self.cls
-        if issubclass(cls, MMFullyShardedDataParallel) and layout.roots is not None:
-            cls = MMSeparateFullyShardedDataParallel
-        return cls(module, config=config, layout=layout)
+        return self.cls.wrap(module, config, layout)
 
 
 def resolve_wrapper(wrapper_cfg: Mapping[str, Any],

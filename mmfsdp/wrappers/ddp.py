@@ -2,25 +2,19 @@
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import teardown_at_exit
-from ..layers import (
-    ActivationCheckpointing,
-    RegionalCompile,
-    check_layer_options,
-    prepare_layers,
-)
-from ..optim import clip_grads_by_global_norm
+from ..layers import ActivationCheckpointing, RegionalCompile, check_layer_options, prepare_layers
 from ..options import check_keys
+from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
 from .base import (
     LAYER_RESOLVERS,
-    DataParallelSteps,
     Layout,
     Padding,
     ParallelWrapper,
@@ -54,8 +48,6 @@ class DDPConfig(WrapperConfig):
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     NAME: ClassVar[str] = NAME
-    #: DDP builds no model on the meta device (``Wrapping.meta_init`` reads it).
-    init_device = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> 'DDPConfig':
@@ -82,10 +74,20 @@ class DDPConfig(WrapperConfig):
         return cls(detect_anomalous_params=bool(cfg.get('detect_anomalous_params', False)),
                    ddp_kwargs=kwargs, **layers)
 
-    def layout(self, module: nn.Module) -> Layout:
-        """The checkpointed and compiled layers (no units); an own ``train_step`` is refused."""
-        _refuse_own_train_step(module)
-        return Layout(**self._layers(module))
+    def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
+        """The checkpointed and compiled layers (no units); an own ``train_step`` is refused.
+
+        One DDP reduces only what flows through its forward, which a model's own step skips.
+        """
+        index = ModelIndex.of(index)
+        if 'train_step' in own_steps(index.model):
+            raise ValueError(
+                f'model_wrapper_cfg.type={NAME!r}: {type(index.model).__name__} defines its own '
+                'train_step, which calls its sub-modules directly, past the DDP forward that '
+                "reduces gradients. Use model_wrapper_cfg=dict(type='MMSeparateDistributed"
+                "DataParallel') (mmengine's DDP per child, as mmagic configs do), or "
+                "'mmfsdp.MMFullyShard' / 'mmfsdp.MMFullyShardedDataParallel'")
+        return Layout(**self._layers(index))
 
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
         """Every rank holds everything."""
@@ -96,7 +98,7 @@ class DDPConfig(WrapperConfig):
 
 
 @MODEL_WRAPPERS.register_module()
-class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, ParallelWrapper):
+class MMDistributedDataParallel(DistributedDataParallel, ParallelWrapper):
     """Distributed data parallel with mmengine's step interface, CPU included.
 
     Works under :class:`mmfsdp.FSDPRunner` and under mmengine's stock Runner,
@@ -119,7 +121,7 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
                  **options: Any) -> None:
         del device_ids
         cfg = config if config is not None else DDPConfig.from_dict(options)
-        prepare_layers(module, layout or cfg.layout(module))
+        prepare_layers(module, layout or cfg.layout(ModelIndex(module)))
         device = next(module.parameters()).device
         super().__init__(module, device_ids=None if device.type == 'cpu' else [device.index],
                          **cfg.ddp_kwargs)
@@ -157,19 +159,3 @@ class MMDistributedDataParallel(DataParallelSteps, DistributedDataParallel, Para
             return
         with super().no_sync():
             yield
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip all gradients by their norm (replicated: the local norm is the global one)."""
-        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
-
-
-def _refuse_own_train_step(module: nn.Module) -> None:
-    """One DDP reduces only what flows through its forward, which a model's own step skips."""
-    if 'train_step' in own_steps(module):
-        raise ValueError(
-            f'model_wrapper_cfg.type={NAME!r}: '
-            f'{type(module).__name__} defines its own train_step, which calls its sub-modules '
-            'directly, past the DDP forward that reduces gradients. Use model_wrapper_cfg='
-            "dict(type='MMSeparateDistributedDataParallel') (mmengine's DDP per child, as "
-            "mmagic configs do), or 'mmfsdp.MMFullyShard' / 'mmfsdp.MMFullyShardedDataParallel'")

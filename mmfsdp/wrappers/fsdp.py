@@ -1,12 +1,12 @@
-"""``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models, and its config.
+"""``MMFullyShardedDataParallel``: torch's FSDP1 for mmengine models, its config and options.
 
 ``MMSeparateFullyShardedDataParallel`` is its form for a model that runs its own
-steps (a GAN, a TTA model): one FSDP1 root per child; the builder
-(:mod:`mmfsdp.wrappers.builder`) picks it for such a model.
+steps (a GAN, a TTA model): one FSDP1 root per child, each given its slice of
+the model's layout; :meth:`MMFullyShardedDataParallel.wrap` picks it for such a model.
 """
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,45 +20,40 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
-from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync
+from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync, with_fsdp1_fp32_classes
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
-from ..optim import clip_grads_by_global_norm
 from ..options import (
     FP32_MODULES_DEFAULT,
     Accumulation,
     Fp32Modules,
     check_fp32_modules,
-    move_fp32_modules,
+    option_dict,
     resolve_accumulation,
-    resolve_backward_prefetch,
-    resolve_cpu_offload,
+    resolve_dtypes_and_flags,
+    resolve_enum,
     resolve_flag,
     resolve_init_device,
-    resolve_mixed_precision,
-    resolve_sharding_strategy,
+    split_fp32_modules,
 )
 from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
 from .base import (
-    AccumulationNoSync,
     Construction,
-    DataParallelSteps,
     Layout,
     ModelHolder,
     Padding,
     ParallelWrapper,
     ShardingSpec,
     WrapperConfig,
-    fp32_module_names,
-    reject_stock_runner,
-    resolved,
+    refuse_keyword_build,
     units_children_first,
 )
 
 __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel', 'MMSeparateFullyShardedDataParallel',
-           'node_mesh_sizes']
+           'node_mesh_sizes', 'resolve_backward_prefetch', 'resolve_cpu_offload',
+           'resolve_mixed_precision', 'resolve_sharding_strategy']
 
 NAME = 'mmfsdp.MMFullyShardedDataParallel'
 
@@ -86,6 +81,54 @@ def _hybrid_mesh(device: torch.device) -> DeviceMesh:
     """
     replicate, shard = node_mesh_sizes(dist.get_world_size(), local_world_size())
     return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))
+
+
+_FSDP1_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'buffer_dtype')
+_FSDP1_MP_FLAGS = ('keep_low_precision_grads', 'cast_forward_inputs', 'cast_root_forward_inputs')
+_MP_KEY = 'model_wrapper_cfg.mixed_precision'
+
+
+def resolve_sharding_strategy(value: Union[str, ShardingStrategy]) -> ShardingStrategy:
+    """``sharding_strategy``: any ``ShardingStrategy`` name, case-insensitive."""
+    return resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
+
+
+def resolve_backward_prefetch(
+        value: Union[str, BackwardPrefetch, None]) -> Optional[BackwardPrefetch]:
+    """``backward_prefetch``: ``'pre' | 'post' | None`` or a ``BackwardPrefetch``."""
+    if value is None:
+        return None
+    return resolve_enum(value, BackwardPrefetch, 'model_wrapper_cfg.backward_prefetch',
+                        {'pre': BackwardPrefetch.BACKWARD_PRE,
+                         'post': BackwardPrefetch.BACKWARD_POST})
+
+
+def resolve_mixed_precision(
+        value: Union[Mapping[str, Any], MixedPrecision, None]) -> Optional[MixedPrecision]:
+    """``mixed_precision``: a dict of FSDP1 ``MixedPrecision`` fields, or one.
+
+    ``mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')``;
+    its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
+    """
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), _MP_KEY,
+                'a dict, a MixedPrecision or None')
+    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
+    return MixedPrecision(
+        **resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, _MP_KEY))
+
+
+def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:
+    """``cpu_offload``: ``bool``, ``dict(offload_params=...)`` or a ``CPUOffload``."""
+    if isinstance(value, CPUOffload):
+        return value
+    if isinstance(value, bool):
+        return CPUOffload(offload_params=value)
+    option_dict(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload',
+                'True/False, dict(offload_params=...) or a CPUOffload')
+    return CPUOffload(offload_params=resolve_flag(
+        value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
 
 
 @dataclass(frozen=True)
@@ -140,13 +183,10 @@ class FSDPConfig(WrapperConfig):
         fp32_modules=check_fp32_modules,
     )
 
-    @classmethod
-    def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
-        return move_fp32_modules(cfg)
-
-    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
-        mp = self.mixed_precision
-        return fp32_module_names(module, self.fp32_modules, mp.param_dtype if mp else None)
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """``mixed_precision.param_dtype``."""
+        return self.mixed_precision.param_dtype if self.mixed_precision else None
 
     @property
     def offloads_to_cpu(self) -> bool:
@@ -191,7 +231,7 @@ class FSDPConfig(WrapperConfig):
             shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
             keep_gathered_until_backward=sharded and strategy in (
                 ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
-            compute_dtype=self.mixed_precision.param_dtype if self.mixed_precision else None,
+            compute_dtype=self.compute_dtype,
             construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True,
             checkpoint_layers=layout.checkpoint_layers,
             unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
@@ -214,16 +254,6 @@ def _fsdp1_accumulation(value: Accumulation) -> Accumulation:
     return value
 
 
-def _with_classes(option: Any, classes: Tuple[type, ...]) -> Any:
-    """``option`` (a layer option of :mod:`mmfsdp.layers`) naming ``classes`` instead of names."""
-    return option if option is None or not option.layer_cls else replace(option, layer_cls=classes)
-
-
-def _fp32_classes(module: nn.Module, layout: Layout) -> Tuple[type, ...]:
-    """The classes of the layout's modules kept in fp32 (FSDP1 takes classes)."""
-    return tuple(dict.fromkeys(type(module.get_submodule(n)) for n in layout.fp32_modules))
-
-
 def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[MixedPrecision]
                   ) -> Tuple[Optional[MixedPrecision], Any]:
     """FSDP1's mixed precision and auto-wrap policy that keep ``layout.fp32_modules`` in fp32.
@@ -235,22 +265,20 @@ def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[M
     policy = _planned_policy(module, layout.units) if layout.units else None
     if mixed_precision is None:
         return None, policy
-    classes = _fp32_classes(module, layout)
-    # why: FSDP1 names the field privately (experimental) in its public dataclass
-    mixed_precision = replace(mixed_precision, _module_classes_to_ignore=classes)
+    classes = tuple(dict.fromkeys(type(module.get_submodule(n)) for n in layout.fp32_modules))
+    mixed_precision = with_fsdp1_fp32_classes(mixed_precision, classes)
     return mixed_precision, policy or (_planned_policy(module, ()) if classes else None)
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullyShardedDataParallel,
-                                 ParallelWrapper):
+class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
     """Fully sharded data parallel (FSDP1) with mmengine's step interface.
 
     The keyword arguments are the fields of :class:`FSDPConfig`; the device is
     this process's accelerator or the CPU. Parameters keep their names and
     objects (``use_orig_params=True``), which ``paramwise_cfg`` relies on.
-    Build it through :class:`mmfsdp.FSDPRunner`; mmengine's stock Runner is
-    refused.
+    Build it through :class:`mmfsdp.FSDPRunner` (mmengine's stock Runner is
+    refused), or by hand with ``MMFullyShardedDataParallel.from_options(model, **options)``.
 
     Config::
 
@@ -269,17 +297,23 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
 
     supports_meta_init = True
     CONFIG = FSDPConfig
+    no_sync = ParallelWrapper.no_sync  # model_wrapper_cfg.accumulation, not FSDP1's own
+
+    @classmethod
+    def wrap(cls, module: nn.Module, config: FSDPConfig, layout: Layout) -> nn.Module:
+        """The wrapper of ``config``; for a model with its own steps, one FSDP1 root per child."""
+        if layout.roots is not None:
+            return MMSeparateFullyShardedDataParallel(module, config=config, layout=layout)
+        return cls(module, config=config, layout=layout)
 
     def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        reject_stock_runner(type(self).__name__)
-        cfg = resolved(FSDPConfig, config, options)
+        refuse_keyword_build(type(self), config, layout, options)
+        cfg = config
         device = current_device()
-        cfg.check_device(device)
-        layout = layout or cfg.layout(module)
         if layout.roots is not None:
-            raise ValueError(f'{type(module).__name__} runs its own steps: build '
-                             'MMSeparateFullyShardedDataParallel (FSDPRunner does) so that each '
+            raise ValueError(f'{type(module).__name__} runs its own steps: build it with '
+                             'MMFullyShardedDataParallel.wrap (FSDPRunner does) so that each '
                              'child is an FSDP1 root of its own')
         on_meta = check_meta_model(module, cfg.init_device, 'before sharding')
         if on_meta:
@@ -319,7 +353,7 @@ class MMFullyShardedDataParallel(DataParallelSteps, AccumulationNoSync, FullySha
 
 
 @MODEL_WRAPPERS.register_module()
-class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, ParallelWrapper):
+class MMSeparateFullyShardedDataParallel(ModelHolder):
     """FSDP1 for a model with its own steps: each child with trainable parameters is a root.
 
     The model calls its children directly, past any wrapper's forward, and FSDP1
@@ -338,25 +372,19 @@ class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, Paralle
 
     def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        reject_stock_runner(type(self).__name__)
+        refuse_keyword_build(type(self), config, layout, options)
         super().__init__()
-        cfg = resolved(FSDPConfig, config, options)
+        cfg = config
         device = current_device()
-        layout = layout or cfg.layout(module)
         if check_meta_model(module, cfg.init_device, 'before sharding'):
             # The whole model on the device, so that its own init_weights and the
             # buffers it holds itself are materialised too (no staging: own steps).
             materialize(module, device, broadcast='all')
             cfg = replace(cfg, init_device=None)
-        # The children resolve no names: the classes the whole model resolved them to.
-        cfg = replace(cfg, fp32_modules=_fp32_classes(module, layout),
-                      activation_checkpointing=_with_classes(cfg.activation_checkpointing,
-                                                             layout.checkpoint_layers),
-                      regional_compile=_with_classes(cfg.regional_compile,
-                                                     layout.compile_layers))
-        for name in layout.roots:
-            child = module.get_submodule(name)
-            module.register_module(name, MMFullyShardedDataParallel(child, config=cfg))
+        for name in layout.roots:  # each root its slice of the model's layout: no second walk
+            child = MMFullyShardedDataParallel(module.get_submodule(name), config=cfg,
+                                               layout=layout.slice(name))
+            module.register_module(name, child)
         set_preprocessor_device(module, device)
         self.module = module
 
@@ -375,8 +403,3 @@ class MMSeparateFullyShardedDataParallel(DataParallelSteps, ModelHolder, Paralle
             for root in self.roots():
                 stack.enter_context(root.no_sync())
             yield
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip all roots' gradients by their global norm."""
-        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)

@@ -1,65 +1,329 @@
-"""``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models, and its config."""
+"""``MMFullyShard``: torch's FSDP2 (``fully_shard``) for mmengine models, its config and options.
+
+The options FSDP2 alone takes (``reshard_after_forward``, ``mesh``,
+``mixed_precision`` as a ``MixedPrecisionPolicy``, ``offload``) are resolved
+here, beside :class:`FullyShardConfig`; an FSDP1 ``sharding_strategy`` is
+translated, and FSDP1-only options are refused with their FSDP2 form.
+"""
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from mmengine.logging import print_log
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    ShardingStrategy,
     fully_shard,
 )
 
-from ..compat import checkpoint_inner
+from ..compat import HYBRID_SHARD_ZERO2, checkpoint_inner
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize
-from ..optim import clip_grads_by_global_norm
 from ..options import (
     FP32_MODULES_DEFAULT,
-    NODE,
     Accumulation,
     Fp32Modules,
-    MeshSpec,
+    _got,
     check_fp32_modules,
-    move_fp32_modules,
-    reject_fsdp1_options,
+    check_keys,
+    option_dict,
     resolve_accumulation,
+    resolve_dtypes_and_flags,
     resolve_flag,
     resolve_init_device,
-    resolve_mesh,
-    resolve_mp_policy,
-    resolve_offload_policy,
-    resolve_reshard_after_forward,
-    translate_sharding_strategy,
+    split_fp32_modules,
 )
-from ..policies import PolicyConfig, merge_units_sharing_parameters
+from ..policies import ModelIndex, PolicyConfig, within
 from ..registry import MODEL_WRAPPERS
 from ..together import UsageProbe, check_same_parameters_used
 from .base import (
-    AccumulationNoSync,
     Construction,
-    DataParallelSteps,
     Layout,
     ModelHolder,
     Padding,
-    ParallelWrapper,
     ShardingSpec,
     WrapperConfig,
-    fp32_module_names,
-    reject_stock_runner,
-    resolved,
+    refuse_keyword_build,
     units_children_first,
-    within,
 )
+from .fsdp import resolve_sharding_strategy
 
-__all__ = ['FullyShardConfig', 'MMFullyShard', 'shard_model']
+__all__ = ['FSDP1_ONLY_OPTIONS', 'FullyShardConfig', 'MMFullyShard', 'Merge', 'MeshSpec', 'NODE',
+           'ROOT', 'merge_units_sharing_parameters', 'reject_fsdp1_options', 'resolve_mesh',
+           'resolve_mp_policy', 'resolve_offload_policy', 'resolve_reshard_after_forward',
+           'shard_model', 'translate_sharding_strategy']
 
 NAME = 'mmfsdp.MMFullyShard'
+_MP_KEY = 'model_wrapper_cfg.mixed_precision'
+
+#: FSDP1 options that FSDP2 has no use for, and what to write instead (a config moved
+#: from FSDP1 by changing its ``type`` fails with these rather than "unknown key").
+FSDP1_ONLY_OPTIONS: Dict[str, str] = {
+    'backward_prefetch': 'FSDP2 always prefetches the next unit in backward; remove it',
+    'forward_prefetch': 'FSDP2 prefetches in forward by itself (explicit order: '
+                        'set_modules_to_forward_prefetch on the sharded modules); remove it',
+    'limit_all_gathers': 'FSDP2 frees all-gather buffers deterministically and needs no rate '
+                         'limiter; remove it',
+    'use_orig_params': 'FSDP2 always keeps the original parameters (as DTensors); remove it',
+    'sync_module_states': "FSDPRunner broadcasts rank 0's weights before sharding (with "
+                          "init_device='meta' they come from init_weights or load_from); "
+                          'remove it',
+    'cpu_offload': 'use offload=dict(cpu_offload=True, pin_memory=True)',
+    'device_id': 'the device is chosen by mmfsdp (this process\'s accelerator, else the CPU); '
+                 'remove it',
+}
+
+#: FSDP1 ``mixed_precision`` keys that ``MixedPrecisionPolicy`` does not have.
+_FSDP1_ONLY_MP_KEYS: Dict[str, str] = {
+    'buffer_dtype': 'FSDP2 does not cast buffers; they keep the dtype the model gives them',
+    'keep_low_precision_grads': 'FSDP2 gives sharded gradients the dtype of the sharded '
+                                'parameters; reduce_dtype sets the dtype of the reduction',
+    'cast_root_forward_inputs': 'use cast_forward_inputs',
+}
+_FSDP2_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'output_dtype')
+_FSDP2_MP_FLAGS = ('cast_forward_inputs', )
+
+#: ``mesh`` value meaning "the processes of one node" (torchrun's ``LOCAL_WORLD_SIZE``).
+NODE = 'node'
+
+
+def reject_fsdp1_options(cfg: Mapping[str, Any], key: str = 'model_wrapper_cfg') -> None:
+    """Raise ``TypeError`` naming the FSDP2 replacement of an FSDP1-only option."""
+    for name, instead in FSDP1_ONLY_OPTIONS.items():
+        if name in cfg:
+            raise TypeError(f'{key}: {name!r} is an FSDP1 option that mmfsdp.MMFullyShard '
+                            f'(FSDP2) does not take: {instead}')
+
+
+def resolve_mp_policy(
+        value: Union[Mapping[str, Any], MixedPrecisionPolicy, None]) -> MixedPrecisionPolicy:
+    """``mixed_precision``: a dict of ``MixedPrecisionPolicy`` fields, or one.
+
+    ``None`` (or ``{}``) computes and reduces in the parameters' own dtype::
+
+        mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', cast_forward_inputs=True)
+
+    Its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
+    """
+    if value is None:
+        return MixedPrecisionPolicy()
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, MixedPrecision):
+        raise TypeError(f'{_MP_KEY}: got an FSDP1 MixedPrecision; FSDP2 takes a '
+                        'MixedPrecisionPolicy or dict(param_dtype=..., reduce_dtype=..., '
+                        'output_dtype=..., cast_forward_inputs=...)')
+    if not isinstance(value, Mapping):
+        raise TypeError(f'{_MP_KEY}: expected a dict, a MixedPrecisionPolicy or None, '
+                        f'{_got(value)}')
+    for name, instead in _FSDP1_ONLY_MP_KEYS.items():
+        if name in value:
+            raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
+                            f'take: {instead}')
+    check_keys(value, _FSDP2_MP_DTYPES + _FSDP2_MP_FLAGS + ('fp32_modules', ), _MP_KEY)
+    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
+    return MixedPrecisionPolicy(
+        **resolve_dtypes_and_flags(value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, _MP_KEY))
+
+
+def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
+                           ) -> OffloadPolicy:
+    """``offload``: ``dict(cpu_offload=bool, pin_memory=bool)``, a bool, or an ``OffloadPolicy``."""
+    if isinstance(value, OffloadPolicy):
+        return value
+    if value is None or isinstance(value, bool):
+        return CPUOffloadPolicy() if value else OffloadPolicy()
+    option_dict(value, ('cpu_offload', 'pin_memory'), 'model_wrapper_cfg.offload',
+                'dict(cpu_offload=..., pin_memory=...), True/False or an OffloadPolicy')
+    pin_memory = resolve_flag(value.get('pin_memory', True), 'model_wrapper_cfg.offload.pin_memory')
+    if not resolve_flag(value.get('cpu_offload', False), 'model_wrapper_cfg.offload.cpu_offload'):
+        if 'pin_memory' in value:
+            raise ValueError('model_wrapper_cfg.offload.pin_memory: '
+                             'only applies with cpu_offload=True')
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=pin_memory)
+
+
+def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
+    """``reshard_after_forward``: ``True`` (ZeRO-3), ``False`` (ZeRO-2) or a group size ≥ 2."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value < 2:
+            raise ValueError('model_wrapper_cfg.reshard_after_forward: '
+                             f'{value!r} is not a valid group size; '
+                             'use True, False or an int >= 2 that divides the shard group size')
+        return value
+    raise TypeError('model_wrapper_cfg.reshard_after_forward: expected True, False or an int, '
+                    f'{_got(value)}')
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The data-parallel mesh: ``replicate`` groups of ``shard`` ranks (``-1``: the rest).
+
+    ::
+
+        model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', mesh=dict(replicate=2, shard='node'))
+    """
+
+    replicate: int = 1
+    shard: Union[int, str] = -1
+
+    def sizes(self, world_size: int, local_world_size: Optional[int] = None) -> Tuple[int, int]:
+        """``(replicate, shard)`` for ``world_size`` ranks; ``ValueError`` if they do not fit."""
+        shard = self.shard
+        if shard == NODE:
+            if local_world_size is None:
+                raise ValueError("model_wrapper_cfg.mesh.shard: "
+                                 "'node' needs LOCAL_WORLD_SIZE (set by torchrun); "
+                                 'give the shard group size as an int instead')
+            shard = local_world_size
+        replicate = self.replicate
+        if replicate == -1 and shard == -1:
+            raise ValueError('model_wrapper_cfg.mesh: replicate and shard cannot both be -1')
+        if replicate == -1:
+            replicate = world_size // shard if world_size % shard == 0 else 0
+        elif shard == -1:
+            shard = world_size // replicate if world_size % replicate == 0 else 0
+        if replicate * shard != world_size:
+            raise ValueError('model_wrapper_cfg.mesh: '
+                             f'replicate={self.replicate} x shard={self.shard} does not '
+                             f'match the world size {world_size}; replicate * shard must '
+                             'equal it (use -1 for "the rest")')
+        return replicate, shard
+
+
+def _mesh_size(value: Any, key: str, allow_node: bool) -> Union[int, str]:
+    if allow_node and value == NODE:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        node = f" or '{NODE}' (the processes of one node)" if allow_node else ''
+        raise ValueError(f'{key}: expected a positive int, -1 (the rest of the world){node}, '
+                         f'got {value!r}')
+    return value
+
+
+def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
+    """``mesh``: ``dict(replicate=R, shard=S)``; the default shards over every rank."""
+    if value is None:
+        return MeshSpec()
+    if isinstance(value, MeshSpec):
+        return value
+    option_dict(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh',
+                'dict(replicate=..., shard=...)')
+    return MeshSpec(
+        replicate=_mesh_size(value.get('replicate', 1), 'model_wrapper_cfg.mesh.replicate', False),
+        shard=_mesh_size(value.get('shard', -1), 'model_wrapper_cfg.mesh.shard', True))
+
+
+def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bool, bool]:
+    """An FSDP1 ``sharding_strategy`` as FSDP2's ``(reshard_after_forward, hybrid: 2-D mesh)``."""
+    strategy = resolve_sharding_strategy(value)
+    if strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError("model_wrapper_cfg.sharding_strategy: "
+                         "'NO_SHARD' has no FSDP2 equivalent (FSDP1 itself "
+                         "deprecates it for DDP); use type='mmfsdp.MMDistributedDataParallel' "
+                         'to replicate without sharding')
+    return {
+        ShardingStrategy.FULL_SHARD: (True, False),
+        ShardingStrategy.SHARD_GRAD_OP: (False, False),
+        ShardingStrategy.HYBRID_SHARD: (True, True),
+        HYBRID_SHARD_ZERO2: (False, True),
+    }[strategy]
+
+
+#: The name that stands for the root unit (the whole model) in a :class:`Merge`.
+ROOT = '<root>'
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One resolution: ``dropped`` units give their parameters to ``owner``."""
+
+    #: Names under which the shared parameter is registered.
+    parameter_names: Tuple[str, ...]
+    #: The units that would have held it.
+    owners: Tuple[str, ...]
+    #: Units that are no longer sharded separately.
+    dropped: Tuple[str, ...]
+    #: The unit (or :data:`ROOT`) that holds it now.
+    owner: str
+
+
+def _owner(module_name: str, units: set) -> str:
+    """The innermost unit enclosing ``module_name``, or ``''`` for the root."""
+    parts = module_name.split('.') if module_name else []
+    for end in range(len(parts), 0, -1):
+        candidate = '.'.join(parts[:end])
+        if candidate in units:
+            return candidate
+    return ''
+
+
+def _common_ancestor(names: Sequence[str]) -> str:
+    split = [n.split('.') if n else [] for n in names]
+    common: List[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return '.'.join(common)
+
+
+def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
+                                   units: Sequence[str]) -> Tuple[List[str], List[Merge]]:
+    """Drop units so that every parameter belongs to exactly one unit or to the root.
+
+    FSDP2 gives every parameter to one group; a tied embedding / LM head is the
+    classic case.
+
+    Args:
+        index: The unsharded model, walked (or the model).
+        units: Names of the planned units, children before parents
+            (:func:`mmfsdp.policies.plan_units`).
+
+    Returns:
+        The units to shard (same order, some dropped) and what was merged.
+        Each merge is logged as a warning.
+
+    """
+    kept = list(units)
+    merges: List[Merge] = []
+    registrations = [regs for regs in ModelIndex.of(index).registrations.values() if len(regs) > 1]
+    while True:
+        unit_set = set(kept)
+        conflict = None
+        for regs in registrations:
+            owners = {_owner(module_name, unit_set) for _, module_name in regs}
+            if len(owners) > 1:
+                conflict = regs, owners
+                break
+        if conflict is None:
+            return kept, merges
+        regs, owners = conflict
+        owner = _owner(_common_ancestor(owners), unit_set)
+        dropped = [u for u in kept if u != owner and within(u, owner)
+                   and any(within(o, u) for o in owners)]
+        kept = [u for u in kept if u not in dropped]
+        merge = Merge(parameter_names=tuple(name for name, _ in regs),
+                      owners=tuple(sorted(o or ROOT for o in owners)),
+                      dropped=tuple(dropped), owner=owner or ROOT)
+        merges.append(merge)
+        print_log(f'FSDP2 unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
+                  f'{", ".join(merge.owners)}; FSDP2 allows one group per parameter, so '
+                  f'{", ".join(merge.dropped)} will not be sharded as separate units and '
+                  f'their parameters join {merge.owner}', logger='current',
+                  level=logging.WARNING)
 
 
 @dataclass(frozen=True)
@@ -114,43 +378,42 @@ class FullyShardConfig(WrapperConfig):
         accumulation=resolve_accumulation,
         fp32_modules=check_fp32_modules,
     )
-    TRANSLATED: ClassVar[Tuple[str, ...]] = ('sharding_strategy', )
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> 'FullyShardConfig':
-        """Resolve a ``model_wrapper_cfg``; FSDP1-only options are refused with their FSDP2 form."""
-        reject_fsdp1_options(cfg)
-        return super().from_dict(cfg)
 
     @classmethod
     def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        """FSDP1-only options refused with their FSDP2 form; ``sharding_strategy`` translated."""
+        reject_fsdp1_options(cfg)
         if cfg.get('sharding_strategy') is not None:
             cfg.update(_from_sharding_strategy(cfg))
         cfg.pop('sharding_strategy', None)
-        return move_fp32_modules(cfg)
+        return super()._translate(cfg)
 
-    def _merge(self, module: nn.Module, units: Tuple[str, ...]) -> Tuple[str, ...]:
-        """FSDP2 allows one group per parameter: units sharing one are merged."""
-        return tuple(merge_units_sharing_parameters(module, units)[0])
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """``mixed_precision.param_dtype``."""
+        return self.mixed_precision.param_dtype
 
-    def _fp32_modules(self, module: nn.Module) -> Tuple[str, ...]:
-        return fp32_module_names(module, self.fp32_modules, self.mixed_precision.param_dtype)
+    def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
+        """The base layout with units merged where they share a parameter (one group each).
 
-    def layout(self, module: nn.Module) -> Layout:
-        """The base layout, refused where torch 2.13's FSDP2 would fail at the first forward."""
-        layout = super().layout(module)
-        check_groups(module, layout)
-        return layout
-
-    def _check_own_steps(self, module: nn.Module) -> None:
-        """``'unsharded'`` / ``'hybrid'`` act at the wrapper's forward, which such a model skips."""
-        if self.accumulation is not Accumulation.SHARDED:
+        Refused where torch 2.13's FSDP2 would fail at the first forward
+        (:func:`check_groups`), and for ``'unsharded'`` / ``'hybrid'``
+        accumulation on a model with its own steps (they act at the
+        wrapper's forward, which such a model skips).
+        """
+        index = ModelIndex.of(index)
+        layout = super().layout(index)
+        if layout.roots is not None and self.accumulation is not Accumulation.SHARDED:
             raise ValueError(
                 f'model_wrapper_cfg.accumulation={self.accumulation.value!r}: '
-                f'{type(module).__name__} runs its own train_step, which calls its children '
-                f"directly, past {NAME}'s forward where no_sync takes effect; use "
+                f'{type(index.model).__name__} runs its own train_step, which calls its '
+                f"children directly, past {NAME}'s forward where no_sync takes effect; use "
                 "accumulation='sharded' (the same numbers) or "
                 "type='mmfsdp.MMFullyShardedDataParallel'")
+        units = tuple(merge_units_sharing_parameters(index, layout.units)[0])
+        layout = replace(layout, units=units)
+        check_groups(index, layout)
+        return layout
 
     @property
     def offloads_to_cpu(self) -> bool:
@@ -197,7 +460,7 @@ def _groups(module: nn.Module, layout: Layout) -> List[str]:
     return inner + roots
 
 
-def check_groups(module: nn.Module, layout: Layout) -> None:
+def check_groups(index: ModelIndex, layout: Layout) -> None:
     """Refuse a layout whose FSDP2 groups torch 2.13 would reject at the first forward.
 
     Every parameter belongs to the innermost group enclosing where it is first
@@ -206,9 +469,10 @@ def check_groups(module: nn.Module, layout: Layout) -> None:
     group: pytorch #156784), or when a module kept in fp32 shares a parameter
     with a module outside it (FSDP2 gives a parameter to one group only).
     """
+    module = index.model
     groups = _groups(module, layout)
     by_group: Dict[str, Dict[torch.dtype, List[str]]] = {}
-    for name, param in module.named_parameters():
+    for name, param in index.params.items():
         owner = next((g for g in groups if within(name.rpartition('.')[0], g)), None)
         if owner is not None and param.requires_grad:
             by_group.setdefault(owner, {}).setdefault(param.dtype, []).append(name)
@@ -226,10 +490,7 @@ def check_groups(module: nn.Module, layout: Layout) -> None:
     kept = set(layout.fp32_modules)
     if not kept:
         return
-    names: Dict[int, List[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    for shared in (ns for ns in names.values() if len(ns) > 1):
+    for shared in ([n for n, _ in regs] for regs in index.registrations.values() if len(regs) > 1):
         owners = {next((k for k in kept if within(n.rpartition('.')[0], k)), None)
                   for n in shared}
         if len(owners) > 1:
@@ -367,7 +628,7 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelWrapper):
+class MMFullyShard(ModelHolder):
     """Fully sharded data parallel with torch's ``fully_shard`` (FSDP2).
 
     The model is sharded in place (DTensor parameters, one ``fully_shard`` group
@@ -375,7 +636,8 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
     names and state dicts are the unwrapped model's, so full checkpoints move
     freely between this wrapper, FSDP1, DDP and one process. A model with its
     own steps gets one root per child with parameters. The keyword arguments
-    are the fields of :class:`FullyShardConfig`.
+    are the fields of :class:`FullyShardConfig`; build it by hand with
+    ``MMFullyShard.from_options(model, **options)``.
 
     Config::
 
@@ -399,35 +661,32 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
 
     def __init__(self, module: nn.Module, *, config: Optional[FullyShardConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        reject_stock_runner(type(self).__name__)
+        refuse_keyword_build(type(self), config, layout, options)
         super().__init__()
-        cfg = resolved(FullyShardConfig, config, options)
         device = current_device()
-        cfg.check_device(device)
-        layout = layout or cfg.layout(module)
-        self.mesh = _build_mesh(cfg.mesh, device)
-        _check_reshard_after_forward(cfg.reshard_after_forward, self.mesh)
-        on_meta = check_meta_model(module, cfg.init_device, 'after sharding')
+        self.mesh = _build_mesh(config.mesh, device)
+        _check_reshard_after_forward(config.reshard_after_forward, self.mesh)
+        on_meta = check_meta_model(module, config.init_device, 'after sharding')
         self.units = list(u for u in layout.units if u not in (layout.roots or ()))
         self._roots = shard_model(module, self.mesh, layout,
-                                  reshard_after_forward=cfg.reshard_after_forward,
-                                  mp_policy=cfg.mixed_precision, offload_policy=cfg.offload)
-        if cfg.find_unused_parameters:
+                                  reshard_after_forward=config.reshard_after_forward,
+                                  mp_policy=config.mixed_precision, offload_policy=config.offload)
+        if config.find_unused_parameters:
             for root in self._roots:
                 root.set_reduce_scatter_unused_params(True)
         # The first training forward checks that no rank left a parameter unused that
         # another used. A model with its own steps never runs that forward: no probe.
-        self._usage_probe = (UsageProbe(module) if not cfg.find_unused_parameters
+        self._usage_probe = (UsageProbe(module) if not config.find_unused_parameters
                              and layout.roots is None else None)
         if on_meta:
             materialize(module, device, self.mesh)
         self.module = module
-        self._accumulation = cfg.accumulation
+        self._accumulation = config.accumulation
         teardown_at_exit()
         # ZeRO-2 keeps parameters gathered to backward; 'unsharded' then keeps them
         # across micro-steps too.
-        self._keep_gathered = (cfg.accumulation is Accumulation.UNSHARDED
-                               and cfg.reshard_after_forward is False)
+        self._keep_gathered = (config.accumulation is Accumulation.UNSHARDED
+                               and config.reshard_after_forward is False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded model's forward; the coming backward reduces unless inside no_sync."""
@@ -441,8 +700,3 @@ class MMFullyShard(DataParallelSteps, AccumulationNoSync, ModelHolder, ParallelW
             probe, self._usage_probe = self._usage_probe, None
             check_same_parameters_used(probe.remove())
         return output
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip all gradients by their global norm; return that norm as a plain tensor."""
-        return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)

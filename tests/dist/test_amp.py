@@ -24,7 +24,7 @@ def _step_with_inf_on_rank_1(wrapper_cfg: dict) -> dict:
         init_distributed('pytorch', DIST_CFG)
     torch.manual_seed(0)
     if wrapper_cfg['type'] == FSDP1['type']:
-        model = MMFullyShardedDataParallel(ToyClassifier(), auto_wrap_policy=FSDP1[
+        model = MMFullyShardedDataParallel.from_options(ToyClassifier(), auto_wrap_policy=FSDP1[
             'auto_wrap_policy'])
     else:
         model = MMDistributedDataParallel(ToyClassifier())

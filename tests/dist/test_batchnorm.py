@@ -338,9 +338,10 @@ def test_syncbn_is_kept_only_where_there_is_an_accelerator(monkeypatch, device, 
 
     import mmfsdp.runner
     from mmfsdp import FSDPRunner
+    from mmfsdp.runner import WrapState
     monkeypatch.setattr(mmfsdp.runner, 'current_device', lambda: torch.device(device))
     runner = FSDPRunner.__new__(FSDPRunner)  # build_model needs only these
-    runner._meta_init, runner._distributed = False, True
+    runner._wrap_state, runner._distributed = WrapState(wrapping=None, meta_init=False), True
     runner.logger = logging.getLogger('test_batchnorm')
     model = runner.build_model(NormedClassifier(norm_cfg=dict(type='SyncBN')))
     norms = {n: type(m) for n, m in model.named_modules()

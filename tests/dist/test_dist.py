@@ -78,7 +78,8 @@ def _under_slurm(root: str) -> dict:
     out = dict(local_world_size=os.environ['LOCAL_WORLD_SIZE'], port=os.environ['MASTER_PORT'],
                shard_group=torch.distributed.get_world_size(runner.model.process_group),
                final=_final_state(runner))
-    node_mesh = MMFullyShard(ToyClassifier(), mesh=dict(replicate=-1, shard='node')).mesh
+    node_mesh = MMFullyShard.from_options(ToyClassifier(),
+                                          mesh=dict(replicate=-1, shard='node')).mesh
     out['fsdp2_node_mesh'] = (tuple(node_mesh.shape), node_mesh.mesh_dim_names)
     return out
 

@@ -84,7 +84,7 @@ def _full_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _train(wrapper_cls, rank: int, **options) -> Dict[str, torch.Tensor]:
-    model = wrapper_cls(tiny_resnet(), **options)
+    model = wrapper_cls.from_options(tiny_resnet(), **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         x, y = _batch(step, rank)
@@ -118,12 +118,12 @@ def _distributed(rank_unused: int = 0) -> dict:
             ('fsdp2_groupnorm', MMFullyShard,
              dict(mixed_precision=dict(BF16, fp32_modules=['GroupNorm', 'LayerNorm'])))):
         model = GroupNormNet() if 'groupnorm' in name else tiny_resnet()
-        wrapped = cls(model, **options)
+        wrapped = cls.from_options(model, **options)
         seen = _observe_dtypes(model)
         wrapped(_batch(0, rank)[0]).float().sum().backward()
         out[f'dtypes/{name}'] = seen
     # fp32_modules=[] turns it off: BN in bf16 fails on the CPU, as before the option
-    out['off'] = raised(lambda: MMFullyShard(tiny_resnet(), mixed_precision=dict(
+    out['off'] = raised(lambda: MMFullyShard.from_options(tiny_resnet(), mixed_precision=dict(
         BF16, fp32_modules=[]))(_batch(0, rank)[0]))
     # (b) training
     out['train/fsdp2'] = _train(MMFullyShard, rank, auto_wrap_policy=BLOCKS,
@@ -138,10 +138,11 @@ def _distributed(rank_unused: int = 0) -> dict:
     fully_shard(raw, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     out['156784/torch'] = raised(lambda: raw(_batch(0, rank)[0].bfloat16()))
     # ... which mmfsdp refuses at wrap time, before any collective, on every rank ...
-    out['156784/refused'] = raised(lambda: MMFullyShard(
+    out['156784/refused'] = raised(lambda: MMFullyShard.from_options(
         _mixed_dtype_model(), mixed_precision=dict(BF16, fp32_modules=[])))
     # ... while the default fp32_modules gives each BN a group of its own, so it trains
-    model = MMFullyShard(_mixed_dtype_model(), auto_wrap_policy=BLOCKS, mixed_precision=BF16)
+    model = MMFullyShard.from_options(_mixed_dtype_model(), auto_wrap_policy=BLOCKS,
+                                      mixed_precision=BF16)
     out['156784/default'] = raised(
         lambda: model(_batch(0, rank)[0]).float().sum().backward())
     return out

@@ -225,7 +225,8 @@ def _meta_buffers(root: str) -> dict:
         with torch.device('meta'):
             model = BufferedNet(restores)
         try:
-            out[restores] = MMFullyShard(model, init_device='meta').module.scale.clone()
+            wrapped = MMFullyShard.from_options(model, init_device='meta')
+            out[restores] = wrapped.module.scale.clone()
         except RuntimeError as e:
             out[restores] = str(e)
     cfg = runner_config('meta-preprocessor', f'{root}/meta-preprocessor', batch_size=4,

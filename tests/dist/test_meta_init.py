@@ -233,7 +233,7 @@ def _two_ranks(root: str) -> dict:
         out[f'{wrapper}/pretrained'] = _full(runner)
     # an init_cfg type not known to work on shards: an error at wrap time
     bad = build_on_meta(MODELS.build, dict(type='PretrainedZoo', init_type='Orthogonal'))
-    out['bad init_cfg'] = _error(lambda: MMFullyShard(bad, init_device='meta'))
+    out['bad init_cfg'] = _error(lambda: MMFullyShard.from_options(bad, init_device='meta'))
 
     # Hugging Face GPT-2, tied embeddings, meta init + load_from vs eager + load_from
     torch.manual_seed(5)

@@ -2,6 +2,8 @@
 
 - FSDP1 leaves a child whose parameters are all frozen (an EMA copy) as it is,
   as mmengine's ``MMSeparateDistributedDataParallel`` does;
+- FSDP1 trains such a model with an ``auto_wrap_policy`` whose class one child
+  lacks (a generator block): each root gets its slice of the model's layout;
 - FSDP1 meta init runs such a model's own ``init_weights`` and materialises a
   buffer it holds itself, as FSDP2 does;
 - FSDP2 installs no parameter-usage probe on such a model (its forward never
@@ -26,7 +28,7 @@ from mmengine.model import MMSeparateDistributedDataParallel
 from mmengine.registry import MODELS
 from torch import nn
 
-from contract_models import ToyGAN
+from contract_models import IN_DIM, NOISE_DIM, ToyGAN
 from harness import raised, run_distributed
 from toy import ToyClassifier, runner_config
 
@@ -61,6 +63,27 @@ class SelfInitGAN(ToyGAN):
             self.generation.fill_(3.0)
 
 
+class GenBlock(nn.Module):
+    """A block only the generator has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+@MODELS.register_module(force=True)
+class BlockGAN(ToyGAN):
+    """A GAN whose generator holds a block class that its discriminator does not."""
+
+    def __init__(self, data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor)
+        self.generator = nn.Sequential(nn.Linear(NOISE_DIM, 16), GenBlock(),
+                                       nn.Linear(16, IN_DIM))
+
+
 def _config(name: str, root: str, model: str, wrapper: dict) -> Config:
     cfg = runner_config(name, f'{root}/{name}', batch_size=4, max_iters=2, wrapper=wrapper,
                         optim_wrapper=copy.deepcopy(GAN_OPTIM))
@@ -85,6 +108,17 @@ def _frozen_child(root: str) -> tuple:
             all(isinstance(getattr(model, n), FullyShardedDataParallel)
                 for n in ('generator', 'discriminator')),
             all(not p.requires_grad for p in model.ema.parameters()))
+
+
+def _block_policy(root: str) -> tuple:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from mmfsdp import FSDPRunner
+    runner = FSDPRunner.from_cfg(_config('block-policy', root, 'BlockGAN', dict(
+        type=FSDP1, auto_wrap_policy=dict(type='module_types', module_cls=['GenBlock']))))
+    runner.train()
+    units = FullyShardedDataParallel.fsdp_modules(runner.model.module)
+    return sorted(type(u.module).__name__ for u in units), runner.iter
 
 
 def _meta_init(root: str, name: str, wrapper: str) -> dict:
@@ -117,6 +151,7 @@ def _record(out: dict, key: str, fn) -> None:
 def _own_steps(root: str, out: dict) -> None:
     from mmfsdp import FSDPRunner
     _record(out, 'frozen child', lambda: _frozen_child(root))
+    _record(out, 'block policy', lambda: _block_policy(root))
     for name, wrapper in (('fsdp1', FSDP1), ('fsdp2', FSDP2)):
         _record(out, f'meta {name}', lambda n=name, w=wrapper: _meta_init(root, n, w))
     _record(out, 'probe hooks left', lambda: _probe_hooks_left(root))
@@ -174,6 +209,12 @@ def test_fsdp1_leaves_a_frozen_child_of_a_model_with_own_steps_unwrapped(ranks):
         assert rank['frozen child'][0] != 'raised', rank['frozen child']
         ema_wrapped, trained_wrapped, still_frozen = rank['frozen child']
         assert not ema_wrapped and trained_wrapped and still_frozen
+
+
+def test_fsdp1_gives_each_root_its_slice_of_a_policy_one_child_does_not_match(ranks):
+    for rank in ranks:
+        # the discriminator has no GenBlock: it is a root of one unit, not refused
+        assert rank['block policy'] == (['GenBlock', 'Sequential', 'Sequential'], 2)
 
 
 @pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])

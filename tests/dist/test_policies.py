@@ -16,7 +16,7 @@ def _fsdp1_units(policy_cfg):
     dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     planned = plan_units(ToyClassifier(dim=16, depth=3),
                          build_wrap_policy(policy_cfg, ToyClassifier(dim=16, depth=3)))
-    wrapped = MMFullyShardedDataParallel(ToyClassifier(dim=16, depth=3),
+    wrapped = MMFullyShardedDataParallel.from_options(ToyClassifier(dim=16, depth=3),
                                          auto_wrap_policy=policy_cfg)
     built = [unwrapped_name(wrapped, f'{name}.x').rsplit('.', 1)[0]
              for name, m in wrapped.named_modules()

@@ -97,7 +97,7 @@ def _ddp_clip(out: dict) -> None:
 def _fsdp2_names(out: dict) -> None:
     torch.manual_seed(0)
     reference = _Scaled()
-    wrapper = MMFullyShard(_Scaled(), auto_wrap_policy=BLOCKS)
+    wrapper = MMFullyShard.from_options(_Scaled(), auto_wrap_policy=BLOCKS)
     params = dict(wrapper.named_parameters())
     out['names'] = dict(
         parameters=(list(params), [n for n, _ in reference.named_parameters()]),

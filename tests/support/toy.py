@@ -204,7 +204,7 @@ def saved_activation_bytes(wrapper_cls: type, checkpoint: bool) -> int:
     cfg = dict(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
     if checkpoint:
         cfg['activation_checkpointing'] = dict(layer_cls=['ToyBlock'])
-    model = wrapper_cls(ToyClassifier(dim=64, depth=4), **cfg)
+    model = wrapper_cls.from_options(ToyClassifier(dim=64, depth=4), **cfg)
     saved = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -211,26 +211,40 @@ def test_pretrained_init_runs_through_its_call_inside_init_weights(tmp_path):
     assert PretrainedInit.__call__ is not call
 
 
-def test_stock_wrap_model_builds_the_wrapper_in_its_own_frame():
+def test_stock_wrap_model_builds_the_wrapper_from_keyword_options():
     seen = []
 
     @MODEL_WRAPPERS.register_module(name='CompatTestProbeWrapper', force=True)
     class Probe(nn.Module):
 
-        def __init__(self, module: nn.Module) -> None:
+        def __init__(self, **kwargs) -> None:
             super().__init__()
-            seen.append(any(f.f_code is Runner.wrap_model.__code__
-                            for f in compat.call_stack()))
+            seen.append(sorted(kwargs))
 
     class Stub:
         distributed = True
         cfg: dict = {}
 
-    Runner.wrap_model(Stub(), dict(type='CompatTestProbeWrapper'), nn.Linear(2, 2))
-    assert seen == [True], \
-        ('Runner.wrap_model no longer builds the wrapper itself: '
-         'mmfsdp.wrappers.base.reject_stock_runner misses it')
-    assert not any(f.f_code is Runner.wrap_model.__code__ for f in compat.call_stack())
+    Runner.wrap_model(Stub(), dict(type='CompatTestProbeWrapper', option=1), nn.Linear(2, 2))
+    assert seen == [['module', 'option']], \
+        ('Runner.wrap_model no longer passes the config\'s options as keywords: '
+         'mmfsdp.wrappers.base.refuse_keyword_build tells the stock Runner apart by them')
+
+
+def test_batch_norm_base_is_the_base_of_every_batch_norm():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
+        assert issubclass(cls, compat.BATCH_NORM_BASE), \
+            f'{cls.__name__} is no longer a torch.nn.modules.batchnorm._BatchNorm'
+
+
+def test_fsdp1_mixed_precision_names_its_fp32_classes_privately():
+    from torch.distributed.fsdp import MixedPrecision
+    default = MixedPrecision(param_dtype=torch.bfloat16)
+    assert compat.fsdp1_fp32_classes(default) == (compat.BATCH_NORM_BASE, ), \
+        "FSDP1's MixedPrecision._module_classes_to_ignore no longer defaults to _BatchNorm"
+    kept = compat.with_fsdp1_fp32_classes(default, (nn.GroupNorm, ))
+    assert compat.fsdp1_fp32_classes(kept) == (nn.GroupNorm, )
+    assert kept.param_dtype is torch.bfloat16
 
 
 # ---- torch -----------------------------------------------------------------
@@ -321,7 +335,8 @@ def test_storage_key_tells_meta_storages_apart():
 
 def test_dcp_names_state_through_fqn_modifiers():
 
-    class Holder(compat.DCPNameHook, nn.Module):
+    @compat.dcp_drops_names
+    class Holder(nn.Module):
 
         def __init__(self) -> None:
             super().__init__()

@@ -16,18 +16,21 @@ from torch.distributed.fsdp import (
 
 from mmfsdp import MMFullyShard
 from mmfsdp.demo import GPT
-from mmfsdp.options import (
+from mmfsdp.options import resolve_init_device
+from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp.wrappers import FullyShardConfig
+from mmfsdp.wrappers.builder import resolve_wrapper
+from mmfsdp.wrappers.fsdp2 import (
     FSDP1_ONLY_OPTIONS,
+    ROOT,
     MeshSpec,
-    resolve_init_device,
+    merge_units_sharing_parameters,
     resolve_mesh,
     resolve_mp_policy,
     resolve_offload_policy,
     resolve_reshard_after_forward,
     translate_sharding_strategy,
 )
-from mmfsdp.policies import ROOT, build_wrap_policy, merge_units_sharing_parameters, plan_units
-from mmfsdp.wrappers import FullyShardConfig
 from toy import ToyClassifier
 
 
@@ -193,15 +196,17 @@ def test_unknown_keyword_suggests_the_closest():
     assert "'reshard_after_foward'" in msg and "did you mean 'reshard_after_forward'" in msg
 
 
-def test_check_config_checks_model_dependent_options():
+def test_the_layout_checks_model_dependent_options():
     model = ToyClassifier()
-    MMFullyShard.check_config(dict(auto_wrap_policy=dict(type='transformer',
-                                                         layer_cls=['ToyBlock'])), model)
+
+    def layout(**options):
+        return resolve_wrapper(dict(type=MMFullyShard, **options)).layout(model)
+
+    layout(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
     with pytest.raises(ValueError, match="'ToyBlk'.*ToyBlock"):
-        MMFullyShard.check_config(dict(auto_wrap_policy=dict(type='transformer',
-                                                             layer_cls=['ToyBlk'])), model)
+        layout(auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlk']))
     with pytest.raises(ValueError, match='activation_checkpointing.layer_cls'):
-        MMFullyShard.check_config(dict(activation_checkpointing=dict(layer_cls=['Blk'])), model)
+        layout(activation_checkpointing=dict(layer_cls=['Blk']))
 
 
 def test_registered_as_an_mmengine_model_wrapper():
@@ -268,12 +273,18 @@ def test_sharding_spec_describes_the_mesh_and_the_merged_units(monkeypatch):
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
     cfg = dict(auto_wrap_policy=dict(type='module_types', module_cls=['Embedding']),
                sharding_strategy='HYBRID_SHARD', mixed_precision=dict(param_dtype='bf16'))
-    spec = MMFullyShard.sharding_spec(cfg, _gpt(), world_size=8)
+    spec = _spec(cfg, 8)
     assert (spec.replicate_size, spec.shard_size) == (2, 4)
     assert spec.units == ('wpe', ) and spec.compute_dtype is torch.bfloat16
     assert not spec.keep_gathered_until_backward
-    spec = MMFullyShard.sharding_spec(dict(reshard_after_forward=False), _gpt(), world_size=2)
+    spec = _spec(dict(reshard_after_forward=False), 2)
     assert spec.shard_size == 2 and spec.units == () and spec.keep_gathered_until_backward
+
+
+def _spec(options: dict, world_size: int):
+    """The sharding of the GPT as the runner resolves it: config, layout, spec."""
+    config = resolve_wrapper(dict(type=MMFullyShard, **options)).config
+    return config.sharding_spec(config.layout(_gpt()), world_size)
 
 
 def test_the_plan_keeps_a_group_share_of_each_unit_with_an_int_reshard_after_forward():
@@ -293,6 +304,8 @@ def test_the_plan_keeps_a_group_share_of_each_unit_with_an_int_reshard_after_for
 def test_pinned_offload_on_a_cpu_only_machine_says_what_to_do():
     if torch.accelerator.current_accelerator() is not None:
         pytest.skip('this process trains on an accelerator')
-    MMFullyShard.check_config(dict(offload=dict(cpu_offload=True, pin_memory=False)))
+    cpu = torch.device('cpu')  # what FSDPRunner checks at start-up, for its device
+    FullyShardConfig.from_dict(dict(offload=dict(cpu_offload=True, pin_memory=False))
+                               ).check_device(cpu)
     with pytest.raises(ValueError, match='offload.pin_memory: pinned memory needs an accelerator'):
-        MMFullyShard.check_config(dict(offload=dict(cpu_offload=True)))
+        FullyShardConfig.from_dict(dict(offload=dict(cpu_offload=True))).check_device(cpu)

@@ -3,15 +3,14 @@ import pytest
 import torch
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
-from mmfsdp.options import (
-    check_keys,
+from mmfsdp.options import check_keys, resolve_dtype
+from mmfsdp.wrappers import FSDPConfig
+from mmfsdp.wrappers.fsdp import (
     resolve_backward_prefetch,
     resolve_cpu_offload,
-    resolve_dtype,
     resolve_mixed_precision,
     resolve_sharding_strategy,
 )
-from mmfsdp.wrappers import FSDPConfig
 
 
 @pytest.mark.parametrize('name, dtype', [

@@ -49,3 +49,54 @@ def test_a_plan_with_too_many_units_warns():
     wrapper = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['Linear']))
     plan = plan_to_dict(plan_for(MMFullyShardedDataParallel, wrapper, model, 2, ADAMW))
     assert any('1001 units' in w and 'min_num_params' in w for w in plan['warnings'])
+
+
+# ---- the CLI resolves the config as FSDPRunner does ----------------------------------------
+
+
+def _cli_plans(tmp_path, capsys, wrapper_cfg: dict, *args: str) -> list:
+    """``python -m mmfsdp.plan`` on a toy config with ``wrapper_cfg``, in this process."""
+    import json
+
+    from mmfsdp.plan.__main__ import main
+    config = tmp_path / 'toy_config.py'
+    config.write_text(f'model = dict(type="ToyClassifier")\nmodel_wrapper_cfg = {wrapper_cfg!r}\n'
+                      'optim_wrapper = dict(optimizer=dict(type="AdamW", lr=1e-3))\n')
+    capsys.readouterr()
+    main([str(config), '--world-size', '1', '8', '64', '--format', 'json', *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_cli_plans_a_wrapper_config_without_type_as_the_runner_trains_it(tmp_path, capsys):
+    # no 'type': the keys are options of the default wrapper (mmengine's rule), DDP
+    plans = _cli_plans(tmp_path, capsys, dict(find_unused_parameters=True), '--no-trace')
+    assert [p['world_size'] for p in plans] == [1, 8, 64]
+    assert {p['wrapper'] for p in plans} == {'mmfsdp.MMDistributedDataParallel'}
+
+
+def test_the_cli_resolves_once_and_lays_out_once_for_every_world_size(tmp_path, capsys,
+                                                                     monkeypatch):
+    import collections
+
+    from mmfsdp.registry import FSDP_WRAP_POLICIES
+    from mmfsdp.wrappers import FullyShardConfig
+    from toy import ToyBlock, ToyClassifier
+    counts: collections.Counter = collections.Counter()
+    real = FullyShardConfig.from_dict.__func__
+
+    def counting(cls, cfg):
+        counts['resolutions'] += 1
+        return real(cls, cfg)
+
+    @FSDP_WRAP_POLICIES.register_module(name='counting_toy_blocks', force=True)
+    def counting_toy_blocks(module, recurse, nonwrapped_numel):
+        counts['layouts'] += isinstance(module, ToyClassifier) and recurse
+        return recurse or isinstance(module, ToyBlock)
+
+    monkeypatch.setattr(FullyShardConfig, 'from_dict', classmethod(counting))
+    plans = _cli_plans(tmp_path, capsys, dict(type='mmfsdp.MMFullyShard',
+                                              auto_wrap_policy=dict(type='counting_toy_blocks')),
+                       '--input-shape', '4,6')
+    assert [p['world_size'] for p in plans] == [1, 8, 64]
+    assert all(p['step'] is not None for p in plans)  # the trace used the same layout
+    assert dict(counts) == dict(resolutions=1, layouts=1)

@@ -1,7 +1,7 @@
 """The seams between mmfsdp's parts that need no process group.
 
-- one wrapper protocol (:mod:`mmfsdp.wrappers.base`): a wrapper missing a member
-  cannot be built; other wrappers are driven as mmengine drives them;
+- one base class for mmfsdp's wrappers (:mod:`mmfsdp.wrappers.base`); other
+  wrappers are driven as mmengine drives them;
 - one optim-wrapper iterator; FSDP1 and FSDP2 cut a model into the same units;
 - the wrap preconditions apply in ``train()`` only.
 """
@@ -19,31 +19,17 @@ from mmfsdp.optim import named_optim_wrappers
 from mmfsdp.plan import plan_for
 from mmfsdp.runner import LifecycleError, WrapPreconditions
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
-from mmfsdp.wrappers.base import ParallelWrapper, is_parallel_wrapper
+from mmfsdp.wrappers.base import is_parallel_wrapper
 from mmfsdp.wrappers.builder import resolve_wrapper
 from toy import ToyBlock, ToyClassifier
 
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 
 
-def test_a_wrapper_missing_a_member_cannot_be_built():
-
-    class Incomplete(nn.Module, ParallelWrapper):
-
-        @classmethod
-        def check_config(cls, config, module=None):
-            pass
-
-    with pytest.raises(TypeError, match='abstract') as info:
-        Incomplete()
-    for member in ('no_sync', 'clip_grad_norm_', 'train_step'):
-        assert member in str(info.value)
-
-
 def test_other_wrappers_are_driven_as_mmengine_drives_them():
     assert not is_parallel_wrapper(MMEngineDDP)
     theirs = resolve_wrapper(dict(type=MMEngineDDP, init_device='meta'))
-    assert not theirs.ours and not theirs.offloads_to_cpu and not theirs.meta_init
+    assert not theirs.ours and not theirs.config.offloads_to_cpu and not theirs.meta_init
     assert theirs.layout(ToyClassifier()) is None
     assert resolve_wrapper(dict(type=MMFullyShard, init_device='meta')).meta_init
     with pytest.raises(TypeError, match='has no sharding plan'):
