@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from .amp import replace_stock_amp
 from .checkpoint.mixin import CheckpointMixin
-from .checkpoint.safe_io import UNSAFE_SWITCH
+from .checkpoint.safe_io import UNSAFE_SWITCH, safe_reads
 from .checkpoint.state import load_full_optimizer_state
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
@@ -29,7 +29,6 @@ from .ema import configures_ema
 from .meta_init import (
     WriteTracker,
     agree_on_unwritten,
-    allow_unsafe_pretrained,
     build_on_meta,
     defer_check,
     unwritten,
@@ -188,7 +187,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if state.meta_init:
             loads = load_from(self) is not None or resume_requested(self)
             with defer_check(loads) as pending, \
-                    allow_unsafe_pretrained(bool(self.cfg.get(UNSAFE_SWITCH, False))):
+                    safe_reads(bool(self.cfg.get(UNSAFE_SWITCH, False))):
                 wrapped = self._wrap(model)
             state.meta_pending, state.meta_check_after_load = pending, loads
             return wrapped
@@ -253,14 +252,19 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             return model
 
     def init_model_weights(self) -> None:
-        """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts."""
-        if self._wrap_state.staged:
-            model = self.model.module if is_model_wrapper(self.model) else self.model
-            if callable(getattr(model, 'init_weights', None)):
-                with draws_on(current_device(), model):  # as the stock Runner's, on the device
-                    model.init_weights()  # the wrapper broadcasts rank 0's weights unit by unit
-        elif not self._wrap_state.meta_init:
-            super().init_model_weights()
+        """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts.
+
+        What initialisation reads (``init_cfg`` ``Pretrained``, a backbone's own
+        ``load_checkpoint``) goes through the safe reader (:func:`safe_reads`).
+        """
+        with safe_reads(bool(self.cfg.get(UNSAFE_SWITCH, False))):
+            if self._wrap_state.staged:
+                model = self.model.module if is_model_wrapper(self.model) else self.model
+                if callable(getattr(model, 'init_weights', None)):
+                    with draws_on(current_device(), model):  # as the stock Runner's
+                        model.init_weights()  # the wrapper broadcasts rank 0's, unit by unit
+            elif not self._wrap_state.meta_init:
+                super().init_model_weights()
         self._wrap_state.preconditions.weights_ready()
 
     def load_or_resume(self) -> None:

@@ -41,6 +41,7 @@ from .state import (
     StateDictType,
     checkpoint_model_shapes,
     gather_full_state,
+    is_dcp_checkpoint,
     is_sharded_checkpoint,
     load_full_model_state,
     load_full_optimizer_state,
@@ -242,9 +243,14 @@ class CheckpointMixin:
         an error. ``map_location`` is ignored: files are read to the CPU.
         """
         allow_unsafe = bool(self.cfg.get(UNSAFE_SWITCH, False))
-        sharded = is_sharded_checkpoint(filename)
+        sharded = is_sharded_checkpoint(filename) or is_dcp_checkpoint(filename)
         if sharded:
-            checkpoint = read_sharded_meta(filename, allow_unsafe)
+            checkpoint = read_sharded_meta(filename, allow_unsafe)  # {}: torch's dcp.save
+            if not checkpoint and getattr(self, '_resuming', False):
+                raise ValueError(
+                    f'resume: {filename} is a DCP checkpoint without {META_FILE} (written by '
+                    "torch's dcp.save): it holds weights, no iteration, optimizer or scheduler "
+                    'state. Load its model entries with load_from and resume=False')
         else:
             checkpoint = read_checkpoint(filename, allow_unsafe)
             if not isinstance(checkpoint, dict):
@@ -274,7 +280,9 @@ class CheckpointMixin:
             if optim_wrapper is not None:
                 load_full_optimizer_state(self.model, optim_wrapper, checkpoint['optimizer'])
         mark_checkpoint_loaded(self)
-        self.logger.info(f'Load checkpoint from {filename}')
+        self.logger.info(f'Load checkpoint from {filename}' + (
+            f' (a DCP checkpoint without {META_FILE}: its model entries)'
+            if sharded and not checkpoint else ''))
         return checkpoint
 
     def _check_match(self, match: KeyMatch, filename: str, strict: bool, sharded: bool) -> None:

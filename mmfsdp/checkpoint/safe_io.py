@@ -4,15 +4,20 @@ Files are read with ``torch.load(weights_only=True)``, a sharded directory's
 ``.metadata`` with an unpickler that knows only the classes DCP writes there
 (:class:`SafeFileSystemReader`); what needs more loads only with
 ``allow_unsafe_checkpoints = True`` (:data:`UNSAFE_SWITCH`), with a warning.
+This is the only module of the package that unpickles (``tests/unit/test_safe_io.py``
+holds it); :func:`safe_reads` routes mmengine's and torch's own loaders here.
 :func:`encode` stores numpy values and the message hub's log scalars as plain
 values, so mmfsdp's own files need no switch and stock readers get the stock
 values; :func:`decode` restores them exactly. See ``docs/checkpoints.md``.
 """
 import contextlib
+import contextvars
 import io
 import os
 import pathlib
 import pickle
+import pickletools
+import re
 import types
 import warnings
 from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
@@ -24,24 +29,42 @@ from mmengine.logging import HistoryBuffer
 from mmengine.runner import CheckpointLoader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from ..compat import dcp_metadata_path, dcp_metadata_private_globals, load_whole_dcp
+from ..compat import (
+    checkpoint_loader_replaced_by,
+    dcp_metadata_path,
+    dcp_metadata_private_globals,
+    load_whole_dcp,
+)
 
-__all__ = ['ENCODING_KEY', 'METADATA_GLOBALS', 'UNSAFE_SWITCH', 'SafeFileSystemReader',
-           'UnsafeCheckpointError', 'decode', 'encode', 'load_file', 'load_shards',
-           'read_all_shards', 'read_checkpoint', 'unsafe_values', 'without_code']
+__all__ = ['ENCODING_KEY', 'METADATA_GLOBALS', 'UNSAFE_SWITCH', 'IncompleteCheckpointError',
+           'SafeFileSystemReader', 'UnsafeCheckpointError', 'decode', 'encode', 'load_file',
+           'load_shards', 'read_all_shards', 'read_checkpoint', 'safe_reads', 'unsafe_values',
+           'without_code']
 
 #: The top-level config key that allows loading checkpoints that need arbitrary globals.
 UNSAFE_SWITCH = 'allow_unsafe_checkpoints'
 #: The top-level checkpoint key that records what :func:`encode` converted.
 ENCODING_KEY = 'mmfsdp_encoding'
 
-# Bound at import: read_checkpoint swaps ``torch.load`` for load_file while mmengine's
-# URI loaders run.
+# Bound at import: safe_reads and read_checkpoint swap both for this module's readers.
 _torch_load = torch.load
+_mmengine_load = CheckpointLoader.load_checkpoint
+#: The switch of the innermost :func:`safe_reads`: what :func:`read_checkpoint` defaults to.
+_ALLOW_UNSAFE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    'mmfsdp_allow_unsafe_checkpoints', default=False)
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint needs globals that ``weights_only`` loading does not allow."""
+
+
+class IncompleteCheckpointError(OSError):
+    """A shard file that a DCP ``.metadata`` names is missing or shorter than its entries."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f'{path} is incomplete: {reason}')
+        #: What is wrong, without the path (``'its shard file X is missing'``).
+        self.reason = reason
 
 
 def load_file(file: Union[str, IO[bytes]], allow_unsafe: bool = False) -> Any:
@@ -66,7 +89,7 @@ def load_file(file: Union[str, IO[bytes]], allow_unsafe: bool = False) -> Any:
                                mmap=isinstance(file, str))
         except pickle.UnpicklingError as e:
             if not allow_unsafe:
-                raise _refusal(name, 'safe loading (weights_only=True)', _rejected(e),
+                raise _refusal(name, 'safe loading (weights_only=True)', _rejected(e, file),
                                'to load it with weights_only=False') from None
     warnings.warn(f'Loading {name} with weights_only=False ({UNSAFE_SWITCH}=True): '
                   'unpickling can execute arbitrary code', stacklevel=2)
@@ -81,19 +104,30 @@ def _refusal(name: str, reader: str, reason: str, fallback: str) -> UnsafeCheckp
         f'executed. If you trust this file, set `{UNSAFE_SWITCH} = True` in the config {fallback}.')
 
 
-def _rejected(error: Exception) -> str:
-    """The part of torch's ``weights_only`` error that names what it rejected.
+def _rejected(error: Exception, file: Union[str, IO[bytes]]) -> str:
+    """What torch's ``weights_only`` unpickler rejected in ``file``, naming the globals.
 
-    Its last line is general advice ("Check the documentation ..."); the
-    ``WeightsUnpickler error:`` line names the global (``Unsupported global:
-    GLOBAL mymodule.Evil ...``), without torch's ``add_safe_globals`` advice.
+    Its message names a global only for some instructions (not for a blocked
+    module's ``os.system``, nor builtins by module), so the globals the file
+    imports that torch does not allow are read statically (torch's
+    ``get_unsafe_globals_in_checkpoint``: nothing runs); else the line of
+    torch's message that says what stopped it, without its general advice.
     """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    marker = 'WeightsUnpickler error:'
-    for line in lines:
-        if marker in line:
-            return line.split(marker, 1)[1].split(' Please use ', 1)[0].strip()
-    return lines[-1] if lines else type(error).__name__
+    if not isinstance(file, str):
+        file.seek(0)  # the caller rewinds it again before any further read
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # noqa: BLE001 - an instruction its scan does not read (protocol >= 4)
+        names = []
+    if names:
+        return f'{", ".join(names)}.'
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.strip().startswith('Check the documentation')]
+    line = lines[-1].split('WeightsUnpickler error:')[-1].split(' Please use ')[0].strip() \
+        if lines else type(error).__name__
+    operand = re.search(r'Unsupported operand (\d+)', line)  # e.g. protocol 4's FRAME
+    opcode = pickletools.code2op.get(chr(int(operand[1]))) if operand else None
+    return f'{line} (pickle instruction {opcode.name}).' if opcode else line
 
 
 def _is_legacy_format(file: Union[str, IO[bytes]]) -> bool:
@@ -107,14 +141,16 @@ def _is_legacy_format(file: Union[str, IO[bytes]]) -> bool:
     return head[:1] == b'\x80'  # pickle's PROTO opcode; zip archives start with b'PK'
 
 
-def read_checkpoint(filename: str, allow_unsafe: bool = False) -> Any:
+def read_checkpoint(filename: str, allow_unsafe: Optional[bool] = None) -> Any:
     """The object saved at ``filename``: a local path or anything mmengine's loader reads.
 
     URLs, zoo prefixes and storage backends go through mmengine's
     ``CheckpointLoader`` (its download cache and barriers: every rank must
     call); only the unpickling is :func:`load_file`. A refused file raises on
-    every rank, after mmengine's download barrier.
+    every rank, after mmengine's download barrier. ``allow_unsafe`` defaults
+    to the switch of the enclosing :func:`safe_reads` (``False`` outside one).
     """
+    allow_unsafe = _ALLOW_UNSAFE.get() if allow_unsafe is None else allow_unsafe
     if os.path.isfile(os.path.expanduser(filename)):
         return load_file(os.path.expanduser(filename), allow_unsafe)
     refused: List[UnsafeCheckpointError] = []
@@ -127,10 +163,34 @@ def read_checkpoint(filename: str, allow_unsafe: bool = False) -> Any:
             return {}
 
     with _torch_load_replaced_by(safe_load):
-        checkpoint = CheckpointLoader.load_checkpoint(filename, map_location='cpu')
+        checkpoint = _mmengine_load(filename, map_location='cpu')
     if refused:
         raise refused[0]
     return checkpoint
+
+
+@contextlib.contextmanager
+def safe_reads(allow_unsafe: bool = False) -> Iterator[None]:
+    """Inside, mmengine's and torch's loaders read through this module.
+
+    mmengine's ``CheckpointLoader`` (``load_checkpoint``, ``init_cfg``
+    ``Pretrained``, a backbone's own ``init_weights`` that calls either) is
+    :func:`read_checkpoint`, with its URI schemes and download barrier;
+    ``torch.load`` (and ``torch.hub`` under it) is :func:`load_file`. A
+    refusal names :data:`UNSAFE_SWITCH`; ``allow_unsafe`` is its value.
+    """
+    def read(filename: str, map_location: Any = None, logger: Any = None) -> Any:
+        return read_checkpoint(filename, allow_unsafe)
+
+    def load(f: Any, map_location: Any = None, **_: Any) -> Any:
+        return load_file(f, allow_unsafe)
+
+    token = _ALLOW_UNSAFE.set(allow_unsafe)
+    try:
+        with checkpoint_loader_replaced_by(read), _torch_load_replaced_by(load):
+            yield
+    finally:
+        _ALLOW_UNSAFE.reset(token)
 
 
 @contextlib.contextmanager
@@ -184,20 +244,24 @@ class _Rejected(pickle.UnpicklingError):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's ``FileSystemReader`` that executes nothing from the checkpoint directory.
+    """DCP's ``FileSystemReader`` that executes nothing and reads only the checkpoint directory.
 
     ``.metadata`` is unpickled with only :data:`METADATA_GLOBALS`; entries DCP
     stores pickled (non-tensor values) are read with ``weights_only=True``;
     shards are tensors, which torch reads with ``weights_only=True`` anyway.
     What these refuse raises :class:`UnsafeCheckpointError`, or, with
     ``allow_unsafe``, is read as torch's own reader does, with a warning.
+    Each storage entry must name a file in the directory (a plain name, no
+    symlink out) and lie within its size; else, before any shard is opened,
+    :class:`UnsafeCheckpointError` (whatever ``allow_unsafe``: DCP writes no
+    other) or, for a missing or short file, :class:`IncompleteCheckpointError`.
     """
 
     def __init__(self, path: Union[str, os.PathLike], allow_unsafe: bool = False) -> None:
         super().__init__(path)
         self.allow_unsafe = allow_unsafe
         #: The refusal raised last: DCP wraps errors (CheckpointException), it is raised again.
-        self.refused: Optional[UnsafeCheckpointError] = None
+        self.refused: Optional[Exception] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         """As ``FileSystemReader.read_metadata`` (a ``rank`` keyword reads the rank-local file)."""
@@ -209,10 +273,38 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         except _Rejected as e:
             self._refuse(str(path), 'the DCP metadata reader', str(e), 'to read it with pickle')
             metadata = pickle.loads(data)  # noqa: S301 - allow_unsafe: the user trusts it
+        self._check_storage(metadata)
         if getattr(metadata, 'storage_meta', None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as torch's reader
         return metadata
+
+    def _check_storage(self, metadata: Any) -> None:
+        """Refuse entries outside the directory or past a file's end; nothing is opened."""
+        root = os.path.realpath(self.path)
+        ends: Dict[str, int] = {}
+        for index, info in (getattr(metadata, 'storage_data', None) or {}).items():
+            name, offset, length = (getattr(info, k, None)
+                                    for k in ('relative_path', 'offset', 'length'))
+            if not (isinstance(name, str) and name not in ('', '.', '..') and '\0' not in name
+                    and name == os.path.basename(name) and type(offset) is type(length) is int
+                    and min(offset, length) >= 0
+                    and os.path.dirname(os.path.realpath(os.path.join(root, name))) == root):
+                self.refused = UnsafeCheckpointError(
+                    f'{self.path}: its .metadata places {getattr(index, "fqn", index)!r} in '
+                    f'{name!r} at offset {offset}, length {length}; mmfsdp reads only files '
+                    'named in the checkpoint directory itself, as DCP writes them. Nothing was '
+                    'read from it.')
+                raise self.refused
+            ends[name] = max(ends.get(name, 0), offset + length)
+        for name, end in sorted(ends.items()):
+            file = os.path.join(root, name)
+            size = os.path.getsize(file) if os.path.isfile(file) else None
+            if size is None or size < end:
+                self.refused = IncompleteCheckpointError(str(self.path), (
+                    f'its shard file {name} is missing' if size is None else
+                    f'its shard file {name} is truncated ({size} < {end} bytes)'))
+                raise self.refused
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         """As ``FileSystemReader.read_data``; pickled entries are read with ``weights_only``."""
@@ -241,7 +333,7 @@ class _WeightsOnlyEntries:
             entry = _torch_load(value, map_location='cpu', weights_only=True)
         except pickle.UnpicklingError as e:
             self._reader._refuse(f'{self._reader.path} (entry {read_item.dest_index.fqn!r})',
-                                 'safe loading (weights_only=True)', _rejected(e),
+                                 'safe loading (weights_only=True)', _rejected(e, value),
                                  'to load it with weights_only=False')
             value.seek(0)
             return self._planner.load_bytes(read_item, value)

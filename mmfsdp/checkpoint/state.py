@@ -50,10 +50,10 @@ from .safe_io import SafeFileSystemReader, load_file, load_shards
 
 __all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
            'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
-           'is_sharded_checkpoint', 'load_full_model_state', 'load_full_optimizer_state',
-           'load_sharded', 'match_keys', 'model_shapes', 'optimizer_extras', 'read_sharded_meta',
-           'resolve_state_dict_type', 'save_sharded', 'save_sharded_in_background',
-           'sharded_state']
+           'is_dcp_checkpoint', 'is_sharded_checkpoint', 'load_full_model_state',
+           'load_full_optimizer_state', 'load_sharded', 'match_keys', 'model_shapes',
+           'optimizer_extras', 'read_sharded_meta', 'resolve_state_dict_type', 'save_sharded',
+           'save_sharded_in_background', 'sharded_state']
 
 #: The file of a sharded checkpoint that holds everything but the shards.
 META_FILE = 'mmengine.pth'
@@ -337,9 +337,27 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META_FILE))
 
 
+def is_dcp_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a DCP directory: mmfsdp's sharded checkpoint or ``dcp.save``'s."""
+    return os.path.isfile(os.path.join(path, '.metadata'))
+
+
 def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
-    """The non-shard part of a sharded checkpoint: meta, message hub, schedulers."""
-    return load_file(os.path.join(path, META_FILE), allow_unsafe)
+    """The non-shard part of a sharded checkpoint: meta, message hub, schedulers.
+
+    ``{}`` for a directory torch's own ``dcp.save`` wrote (no :data:`META_FILE`).
+    """
+    meta = os.path.join(path, META_FILE)
+    return load_file(meta, allow_unsafe) if os.path.isfile(meta) else {}
+
+
+def _model_prefix(keys: Mapping[str, Any]) -> str:
+    """Where a DCP checkpoint holds the model.
+
+    Under ``model.`` (mmfsdp's, and ``dcp.save`` of ``{'model': ...}``), else
+    under ``state_dict.`` (mmengine's name), else at the top level.
+    """
+    return next((p for p in (_MODEL, 'state_dict.') if any(k.startswith(p) for k in keys)), '')
 
 
 def save_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper],
@@ -488,8 +506,9 @@ def checkpoint_model_shapes(path: str, allow_unsafe: bool = False
                             ) -> Dict[str, Optional[torch.Size]]:
     """The model keys and full shapes stored in a sharded checkpoint (reads only ``.metadata``)."""
     metadata = SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata
-    return {key[len(_MODEL):]: getattr(entry, 'size', None)
-            for key, entry in metadata.items() if key.startswith(_MODEL)}
+    prefix = _model_prefix(metadata)
+    return {key[len(prefix):]: getattr(entry, 'size', None)
+            for key, entry in metadata.items() if key.startswith(prefix)}
 
 
 def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper] = None,
@@ -504,11 +523,12 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     own = get_model_state_dict(model, options=options)
     if match is None:
         match = match_keys({k: None for k in own}, {k: None for k in own})
-    template: Dict[str, Any] = dict(model={saved: own[key] for key, saved in match.loaded.items()})
+    keys = SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata
+    prefix = _model_prefix(keys)
+    model_part = {saved: own[key] for key, saved in match.loaded.items()}
+    template: Dict[str, Any] = {prefix[:-1]: model_part} if prefix else model_part
     wrappers = dict(named_optim_wrappers(optim_wrapper)) if optim_wrapper is not None else {}
     # An optimizer that had no state when saved has no shards.
-    keys = (SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata
-            if wrappers else {})
     with_shards = [name for name in wrappers
                    if any(k.startswith(_OPTIMIZER if name is None else f'{_OPTIMIZER}{name}.')
                           for k in keys)]
@@ -519,7 +539,8 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
         template['optimizer'] = templates[None] if with_shards == [None] else templates
     with _single_process_is_intended():
         load_shards(template, path, allow_unsafe)
-    loaded = {key: template['model'][saved] for key, saved in match.loaded.items()}
+    model_part = template[prefix[:-1]] if prefix else template
+    loaded = {key: model_part[saved] for key, saved in match.loaded.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if optim_wrapper is None:
         return

@@ -12,12 +12,12 @@ from mmengine.config.utils import MODULE2PACKAGE
 from mmengine.hooks import CheckpointHook
 from mmengine.model.weight_init import PretrainedInit, update_init_info
 from mmengine.optim import OptimWrapper
-from mmengine.runner import Runner
+from mmengine.runner import CheckpointLoader, Runner
 
-__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'init_without_amp_checks',
-           'load_from', 'mark_checkpoint_loaded', 'norm_clip_options', 'pretrained_init_calls',
-           'record_init_info', 'register_config_package', 'replace_grad_clipping',
-           'resume_requested', 'set_fixed_loss_scale']
+__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'checkpoint_loader_replaced_by',
+           'init_without_amp_checks', 'load_from', 'mark_checkpoint_loaded', 'norm_clip_options',
+           'pretrained_init_calls', 'record_init_info', 'register_config_package',
+           'replace_grad_clipping', 'resume_requested', 'set_fixed_loss_scale']
 
 
 class RunnerSteps(Runner):
@@ -149,3 +149,16 @@ def record_init_info(init: Any, module: Any) -> None:
     # why: the log (_params_init_info) and an initialiser's _get_init_info are private
     if hasattr(module, '_params_init_info'):
         update_init_info(module, init_info=init._get_init_info())
+
+
+@contextlib.contextmanager
+def checkpoint_loader_replaced_by(read: Callable[..., Any]) -> Iterator[None]:
+    """Inside, ``read(filename, map_location, logger)`` is mmengine's checkpoint loader."""
+    # why: load_checkpoint, PretrainedInit and backbones' own init_weights (Swin) all read
+    # through this classmethod, which unpickles URLs with torch.hub's weights_only=False
+    original = CheckpointLoader.__dict__['load_checkpoint']
+    CheckpointLoader.load_checkpoint = staticmethod(read)
+    try:
+        yield
+    finally:
+        CheckpointLoader.load_checkpoint = original

@@ -15,7 +15,6 @@ from .materialize import (
     UnwrittenTensorsError,
     WriteTracker,
     agree_on_unwritten,
-    allow_unsafe_pretrained,
     check_init_cfgs,
     check_meta_model,
     defer_check,
@@ -26,6 +25,6 @@ from .materialize import (
 )
 
 __all__ = ['RECORD_LIMIT_BYTES', 'SHARD_SAFE_INIT_TYPES', 'Unwritten', 'UnwrittenTensorsError',
-           'WriteTracker', 'agree_on_unwritten', 'allow_unsafe_pretrained', 'build_on_meta',
-           'check_init_cfgs', 'check_meta_model', 'defer_check', 'empty_weights',
-           'load_pretrained', 'materialize', 'recorded', 'set_preprocessor_device', 'unwritten']
+           'WriteTracker', 'agree_on_unwritten', 'build_on_meta', 'check_init_cfgs',
+           'check_meta_model', 'defer_check', 'empty_weights', 'load_pretrained', 'materialize',
+           'recorded', 'set_preprocessor_device', 'unwritten']

@@ -9,7 +9,6 @@ import contextlib
 import contextvars
 import logging
 import math
-import os.path as osp
 import re
 import warnings
 from dataclasses import dataclass
@@ -43,9 +42,6 @@ SHARD_SAFE_INIT_TYPES = ('Constant', 'Xavier', 'Normal', 'TruncNormal', 'Uniform
 
 #: Module names that FSDP1 and activation checkpointing insert.
 _WRAPPER_TOKENS = frozenset({FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE})
-
-_ALLOW_UNSAFE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    'mmfsdp_pretrained_allow_unsafe', default=False)
 
 _DEFERRED: contextvars.ContextVar[Optional[List['Unwritten']]] = contextvars.ContextVar(
     'mmfsdp_meta_init_deferred', default=None)
@@ -270,20 +266,11 @@ def local_part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _read(filename: str, cache: Dict[str, Any]) -> Mapping[str, torch.Tensor]:
-    if filename not in cache:
-        if osp.isfile(filename):
-            from ..checkpoint.safe_io import load_file
-            try:  # memory-mapped: each rank pages in only the slices it copies
-                checkpoint = load_file(filename, _ALLOW_UNSAFE.get())
-            except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
-                checkpoint = torch.load(filename, map_location='cpu',
-                                        weights_only=not _ALLOW_UNSAFE.get())
-        else:
-            from mmengine.runner import CheckpointLoader
-            checkpoint = CheckpointLoader.load_checkpoint(filename, map_location='cpu')
-        state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, Mapping) \
-            else checkpoint
-        cache[filename] = state
+    if filename not in cache:  # a local file memory-mapped: each rank pages in its slices
+        from ..checkpoint.safe_io import read_checkpoint  # the switch: the runner's safe_reads
+        checkpoint = read_checkpoint(filename)
+        cache[filename] = checkpoint.get('state_dict', checkpoint) \
+            if isinstance(checkpoint, Mapping) else checkpoint
     return cache[filename]
 
 
@@ -337,13 +324,6 @@ def _sharded_pretrained() -> Iterator[None]:
         record_init_info(self, module)
 
     with pretrained_init_calls(call):
-        yield
-
-
-@contextlib.contextmanager
-def allow_unsafe_pretrained(allow: bool) -> Iterator[None]:
-    """Let ``init_cfg`` Pretrained read checkpoints that need unsafe unpickling."""
-    with _bound(_ALLOW_UNSAFE, allow):
         yield
 
 

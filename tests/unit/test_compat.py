@@ -211,6 +211,35 @@ def test_pretrained_init_runs_through_its_call_inside_init_weights(tmp_path):
     assert PretrainedInit.__call__ is not call
 
 
+def test_mmengine_loaders_read_through_checkpoint_loader_load_checkpoint():
+    weights = {f'fc.{k}': v for k, v in nn.Linear(2, 2).state_dict().items()}
+    seen = []
+
+    def read(filename, map_location=None, logger=None):
+        seen.append(filename)
+        return dict(state_dict=dict(weights, **{f'backbone.{k}': v for k, v in weights.items()}))
+
+    from mmengine.runner import CheckpointLoader, load_checkpoint
+    original = CheckpointLoader.__dict__['load_checkpoint']
+    url = 'http://nothing.invalid/w.pth'  # never fetched
+    loaded = {}
+    with compat.checkpoint_loader_replaced_by(read):
+        for how, init_cfg in (('Pretrained', dict(type='Pretrained', checkpoint=url)),
+                              ('Pretrained with a prefix', dict(type='Pretrained', checkpoint=url,
+                                                                prefix='backbone'))):
+            module = _Pretrained(init_cfg=init_cfg)
+            module.init_weights()
+            loaded[how] = module.state_dict()
+        module = _Pretrained()
+        load_checkpoint(module, url, map_location='cpu')  # a Swin backbone's own call
+        loaded['load_checkpoint'] = module.state_dict()
+    assert seen == [url] * 3 and all(
+        torch.equal(state[k], weights[k]) for state in loaded.values() for k in weights), (
+        "mmengine's PretrainedInit or load_checkpoint no longer reads through "
+        'CheckpointLoader.load_checkpoint (mmfsdp.checkpoint.safe_io.safe_reads replaces it)')
+    assert CheckpointLoader.__dict__['load_checkpoint'] is original
+
+
 def test_stock_wrap_model_builds_the_wrapper_from_keyword_options():
     seen = []
 
