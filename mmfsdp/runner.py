@@ -12,9 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .amp import replace_stock_amp
+from .checkpoint.durable import publish_unpublished
 from .checkpoint.mixin import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH, safe_reads
-from .checkpoint.state import load_full_optimizer_state
+from .checkpoint.state import META_FILE, load_full_optimizer_state
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
 from .dist import (
@@ -278,6 +279,8 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         elif self.distributed:  # wrapped before the optim wrapper existed (meta init)
             self._wrap_state.preconditions.check(self.optim_wrapper)
             self._bind_optim_wrapper()
+        if resume_requested(self) and load_from(self) is None:
+            self._publish_unpublished_checkpoint()
         state = self._wrap_state
         tracker = WriteTracker()
         with tracker if state.meta_check_after_load else contextlib.nullcontext():
@@ -285,6 +288,16 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if state.meta_check_after_load:  # the same on every rank: a collective follows
             state.meta_check_after_load = False
             agree_on_unwritten(unwritten(self.model.module, state.meta_pending, tracker))
+
+    def _publish_unpublished_checkpoint(self) -> None:
+        """Auto-resume: first publish what a killed run wrote completely in the background."""
+        with fail_together('looking for a checkpoint written completely but not published'):
+            if is_main_process():
+                path = publish_unpublished(self.work_dir, META_FILE,
+                                           bool(self.cfg.get(UNSAFE_SWITCH, False)))
+                if path is not None:
+                    self.logger.warning(f'Auto-resume: {path} was written completely in the '
+                                        'background before the run stopped: published')
 
     def _log_sharding_plan(self, model: nn.Module) -> None:
         """Rank 0 logs the units and their bytes per rank (:mod:`mmfsdp.plan`)."""

@@ -17,8 +17,9 @@ import torch
 
 from .safe_io import IncompleteCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
 
-__all__ = ['find_complete_checkpoint', 'new_token', 'remove_path', 'remove_stale_temporaries',
-           'replace_path', 'save_atomically', 'temporary_path', 'write_text_atomically']
+__all__ = ['find_complete_checkpoint', 'new_token', 'publish_unpublished', 'remove_path',
+           'remove_stale_temporaries', 'replace_path', 'save_atomically', 'temporary_path',
+           'write_text_atomically']
 
 TMP_SUFFIX = '.tmp'
 #: A directory checkpoint being replaced (a ``.tmp`` too, for the clean-up).
@@ -171,13 +172,12 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
     if reason is None:
         return path
     directory, name = os.path.split(path)
-    match = re.fullmatch(r'(.*?)(\d+)(\D*)', name)
+    family = _family(name)
     candidates: list = []
-    if match is not None and os.path.isdir(directory):
-        prefix, step, suffix = match.group(1), int(match.group(2)), match.group(3)
-        pattern = re.compile(re.escape(prefix) + r'(\d+)' + re.escape(suffix))
+    if family is not None and os.path.isdir(directory):
+        step = int(family.fullmatch(name).group(1))
         candidates = sorted(((int(m.group(1)), n) for n in os.listdir(directory)
-                             if (m := pattern.fullmatch(n)) and int(m.group(1)) < step),
+                             if (m := family.fullmatch(n)) and int(m.group(1)) < step),
                             reverse=True)
     for _, candidate in candidates:
         earlier = os.path.join(directory, candidate)
@@ -189,3 +189,43 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
         f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}) and no complete '
         f'earlier checkpoint is in {directory or "."}; restore it, or set resume=False to '
         'start over')
+
+
+def _family(name: str) -> Optional[re.Pattern]:
+    """The names of ``name``'s checkpoints at other steps (``iter_4.pth``: ``iter_<N>.pth``)."""
+    match = re.fullmatch(r'(.*?)(\d+)(\D*)', name)
+    return match and re.compile(re.escape(match.group(1)) + r'(\d+)' + re.escape(match.group(3)))
+
+
+def publish_unpublished(work_dir: str, meta_file: str, allow_unsafe: bool = False
+                        ) -> Optional[str]:
+    """Publish the newest checkpoint a killed run wrote completely but had not yet renamed.
+
+    A run killed after its background write ended on every rank, before it
+    renamed the write into place, leaves a complete ``<token>-NAME.tmp``.
+    Auto-resume calls this (rank 0) first: the newest complete temporary of a
+    later step than the one ``last_checkpoint`` names (without it: named
+    ``iter_N.pth`` or ``epoch_N.pth`` in ``work_dir``) is renamed into place
+    and ``last_checkpoint`` repointed. Returns its path, or ``None``.
+    """
+    pointer = os.path.join(work_dir, 'last_checkpoint')
+    latest = open(pointer).read().strip() if os.path.isfile(pointer) else None
+    directory = os.path.dirname(latest) if latest else work_dir
+    family = (_family(os.path.basename(latest)) if latest
+              else re.compile(r'(?:iter|epoch)_(\d+)\.pth'))
+    if family is None or not os.path.isdir(directory):
+        return None
+    newer_than = int(family.fullmatch(os.path.basename(latest)).group(1)) if latest else -1
+    found = []
+    for name in os.listdir(directory):
+        run = re.fullmatch(r'run[0-9a-f]{8}-(.+)' + re.escape(TMP_SUFFIX), name)
+        step = run and family.fullmatch(run.group(1))
+        if step and int(step.group(1)) > newer_than:
+            found.append((int(step.group(1)), name, run.group(1)))
+    for _, name, final in sorted(found, reverse=True):
+        if _incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
+            path = os.path.join(directory, final)
+            replace_path(os.path.join(directory, name), path)
+            write_text_atomically(path, pointer)
+            return path
+    return None

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from mmengine.config import Config
+from mmengine.hooks import Hook
 from mmengine.runner import Runner
 
 from harness import REPO, SUPPORT, job_env, max_abs_diff, run_distributed, run_job
@@ -24,9 +25,11 @@ KILL_AT, TOTAL = 4, 6
 TOL = 2e-5
 
 
-#: work dir -> (state_dict_type, async_save)
+#: work dir -> (state_dict_type, async_save); the last run's rank 0 dies after its
+#: background write ended on every rank, before it was published
 RUNS = {'full': ('full', False), 'sharded': ('sharded', False),
-        'full-async': ('full', True), 'sharded-async': ('sharded', True)}
+        'full-async': ('full', True), 'sharded-async': ('sharded', True),
+        'sharded-async-written': ('sharded', True)}
 
 
 def _config(work_dir: str, run: str, timeout: int = 60) -> Config:
@@ -67,6 +70,9 @@ def _crash_during_save(work_dir: str, run: str) -> None:
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = save
+    if run.endswith('-written'):
+        _die_once_written(work_dir, run, rank)
+        return
     if kind == 'sharded' and rank == 1:
         from torch.distributed.checkpoint import FileSystemWriter
         real_write = FileSystemWriter.write_data
@@ -80,14 +86,40 @@ def _crash_during_save(work_dir: str, run: str) -> None:
     mmfsdp.FSDPRunner.from_cfg(_config(work_dir, run, timeout=10)).train()
 
 
+class _Kill(Hook):
+    """Rank 0 dies at the start of the iteration after KILL_AT's save, once its background
+    write ended (rank 0's ends after every rank's), before ``CheckpointHook`` publishes it."""
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        from mmfsdp.checkpoint import background
+        if runner.iter == KILL_AT and runner.rank == 0:
+            for write in background._IN_FLIGHT:  # the test's one look inside
+                write.future.result()
+            _die()
+
+
+class _Start(Hook):
+    def before_train(self, runner) -> None:
+        self.iter = runner.iter
+
+
+def _die_once_written(work_dir: str, run: str, rank: int) -> None:
+    import mmfsdp
+    runner = mmfsdp.FSDPRunner.from_cfg(_config(work_dir, run, timeout=10))
+    runner.register_hook(_Kill(), 'NORMAL')  # before CheckpointHook's poll (VERY_LOW)
+    runner.train()
+
+
 def _resume(root: str) -> dict:
     import mmfsdp
     from mmfsdp.checkpoint.state import gather_full_state
     out = {}
     for run in RUNS:
-        runner = mmfsdp.FSDPRunner.from_cfg(_config(f'{root}/{run}', run))
+        runner, start = mmfsdp.FSDPRunner.from_cfg(_config(f'{root}/{run}', run)), _Start()
+        runner.register_hook(start)
         runner.train()
-        out[run] = dict(state=gather_full_state(runner.model, None)[0], iter=runner.iter)
+        out[run] = dict(state=gather_full_state(runner.model, None)[0], iter=runner.iter,
+                        start=start.iter)
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -140,6 +172,8 @@ def test_kill_during_save_keeps_previous_checkpoint(crashed, root, run):
 def test_auto_resume_after_crash_equals_uninterrupted(resumed, reference, run):
     got = resumed[run]
     assert got['iter'] == TOTAL
+    # a write that ended on every rank is published by the resuming run and resumed from
+    assert got['start'] == (KILL_AT if run.endswith('-written') else 2)
     diff = max_abs_diff(got['state'], reference)
     print(f'{run}: max abs diff after crash + auto-resume {diff:.1e}')
     assert diff <= TOL

@@ -7,6 +7,7 @@ import os
 import torch
 
 from mmfsdp.checkpoint.durable import (
+    publish_unpublished,
     remove_stale_temporaries,
     replace_path,
     save_atomically,
@@ -71,3 +72,36 @@ def test_temporaries_carry_the_token(tmp_path):
         tmp_path / 'runa-iter_2.pth.tmp')
     assert temporary_path(str(tmp_path / 'iter_2.pth') + '/', 'runa', '.old.tmp') == str(
         tmp_path / 'runa-iter_2.pth.old.tmp')
+
+
+def test_auto_resume_publishes_the_newest_complete_temporary_a_killed_run_left(tmp_path):
+    """Complete and newer than ``last_checkpoint``: renamed into place and pointed at; a cut
+    write, an older step, a best checkpoint and a name no run of ours writes stay as they are."""
+    (tmp_path / 'iter_2.pth').write_bytes(b'')
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_2.pth'))
+    torch.save({'step': 4}, tmp_path / 'run0123abcd-iter_4.pth.tmp')
+    torch.save({'step': 6}, tmp_path / 'run0123abcd-iter_6.pth.tmp')
+    cut = (tmp_path / 'run0123abcd-iter_6.pth.tmp').read_bytes()[:-30]
+    (tmp_path / 'run0123abcd-iter_8.pth.tmp').write_bytes(cut)
+    torch.save({}, tmp_path / 'run0123abcd-iter_1.pth.tmp')
+    torch.save({}, tmp_path / 'run0123abcd-best_acc_iter_9.pth.tmp')
+    torch.save({}, tmp_path / 'mine-iter_9.pth.tmp')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth') == str(tmp_path / 'iter_6.pth')
+    assert torch.load(tmp_path / 'iter_6.pth') == {'step': 6}
+    assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'iter_6.pth')
+    assert sorted(os.listdir(tmp_path)) == [
+        'iter_2.pth', 'iter_6.pth', 'last_checkpoint', 'mine-iter_9.pth.tmp',
+        'run0123abcd-best_acc_iter_9.pth.tmp', 'run0123abcd-iter_1.pth.tmp',
+        'run0123abcd-iter_4.pth.tmp', 'run0123abcd-iter_8.pth.tmp']
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth') is None  # nothing newer now
+
+
+def test_without_last_checkpoint_a_complete_sharded_temporary_is_published(tmp_path):
+    """The killed run's first save was its background one: nothing names a checkpoint yet."""
+    import torch.distributed.checkpoint as dcp
+    tmp = tmp_path / 'run0123abcd-iter_2.pth.tmp'
+    dcp.save({'w': torch.ones(3)}, checkpoint_id=str(tmp), no_dist=True)
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth') is None  # no mmengine.pth: cut
+    torch.save({'meta': {}}, tmp / 'mmengine.pth')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth') == str(tmp_path / 'iter_2.pth')
+    assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'iter_2.pth')
