@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint.safe_io import UNSAFE_SWITCH, SafeFileSystemReader, load_shards
 from .checkpoint.state import gather_full_state, load_full_model_state, sharded_state
-from .compat import fsdp1_reshard_if_gathered, resume_requested
+from .compat import ema_started, fsdp1_reshard_if_gathered, resume_requested, swap_ema_state_dict
 from .names import unwrapped_named_buffers, unwrapped_named_parameters
 from .registry import HOOKS
 from .together import fail_together
@@ -95,9 +95,9 @@ def _pieces_module(model: nn.Module, device: Optional[str]) -> nn.Module:
         *path, leaf = name.split('.')
         owner = root
         for component in path:
-            if component not in owner._modules:
+            if not hasattr(owner, component):  # a child's name is no other attribute's
                 owner.add_module(component, nn.Module())
-            owner = owner.get_submodule(component)
+            owner = getattr(owner, component)
         piece = _piece(tensor, device)
         if is_param:
             owner.register_parameter(leaf, nn.Parameter(piece, requires_grad=False))
@@ -230,7 +230,7 @@ class EMAHook(MMEngineEMAHook):
         self._materialise(runner)
         source = _LocalShards(runner.model, self.ema_model.module,
                               self.ema_model.update_buffers)
-        if self._ema_started(runner):
+        if ema_started(self, runner):
             self.ema_model.update_parameters(source)
             return
         with torch.no_grad():
@@ -240,17 +240,17 @@ class EMAHook(MMEngineEMAHook):
     def before_val_epoch(self, runner: Any) -> None:
         """Swap the averaged weights in for validation (and testing)."""
         self._materialise(runner)
-        self._swap_ema_parameters()
+        self._swap_averaged()
 
     def after_val_epoch(self, runner: Any, metrics: Optional[Dict[str, float]] = None) -> None:
         """Swap the trained weights back."""
-        self._swap_ema_parameters()
+        self._swap_averaged()
 
     before_test_epoch = before_val_epoch
     after_test_epoch = after_val_epoch
 
     @torch.no_grad()
-    def _swap_ema_parameters(self) -> None:
+    def _swap_averaged(self) -> None:
         """Exchange the averaged tensors with the model's local pieces, in place."""
         sources = _source_tensors(self._model, self.ema_model.update_buffers)
         for key, averaged in self._averaged.items():
@@ -262,11 +262,11 @@ class EMAHook(MMEngineEMAHook):
     def _averaged_weights_in(self, runner: Any) -> Iterator[None]:
         """The averaged weights in the model's parameters for the body, then the trained ones."""
         self._materialise(runner)
-        self._swap_ema_parameters()
+        self._swap_averaged()
         try:
             yield
         finally:
-            self._swap_ema_parameters()
+            self._swap_averaged()
 
     # ---- checkpoints: the averaged weights swapped into the model, its state taken -------
 
@@ -309,7 +309,7 @@ class EMAHook(MMEngineEMAHook):
         if not (resume_requested(runner) and 'ema_state_dict' in checkpoint):
             self._restart_from_model(runner)
             return
-        self._swap_ema_state_dict(checkpoint)  # stock: back to trained / averaged
+        swap_ema_state_dict(self, checkpoint)  # stock: back to trained / averaged
         ema_state = checkpoint['ema_state_dict']
         averaged = {k[len(_PREFIX):]: v for k, v in ema_state.items() if k.startswith(_PREFIX)}
         with self._averaged_weights_in(runner):

@@ -87,8 +87,6 @@ class ShardStager(AsyncStager):
     is done, so a write never sees the next save's values.
     """
 
-    _synchronize_after_execute = False
-
     def __init__(self) -> None:
         self._kept: Dict[str, Dict[Tuple[Any, ...], torch.Tensor]] = {}
         self._reader: Optional[concurrent.futures.Future] = None

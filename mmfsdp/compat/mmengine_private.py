@@ -9,15 +9,16 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from mmengine.config.utils import MODULE2PACKAGE
-from mmengine.hooks import CheckpointHook
+from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.model.weight_init import PretrainedInit, update_init_info
 from mmengine.optim import OptimWrapper
 from mmengine.runner import CheckpointLoader, Runner
 
-__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'checkpoint_loader_replaced_by',
+__all__ = ['CheckpointHookSteps', 'RunnerSteps', 'checkpoint_loader_replaced_by', 'ema_started',
            'init_without_amp_checks', 'load_from', 'mark_checkpoint_loaded', 'norm_clip_options',
            'pretrained_init_calls', 'record_init_info', 'register_config_package',
-           'replace_grad_clipping', 'resume_requested', 'set_fixed_loss_scale']
+           'replace_grad_clipping', 'resume_requested', 'set_fixed_loss_scale',
+           'swap_ema_state_dict']
 
 
 class RunnerSteps(Runner):
@@ -100,6 +101,16 @@ class CheckpointHookSteps(CheckpointHook):
     def save_kwargs(self) -> Dict[str, Any]:
         """The hook's extra config keys, passed on to ``runner.save_checkpoint``."""
         return self.args  # why: the hook's **kwargs, which the stock saves forward
+
+
+def ema_started(hook: EMAHook, runner: Any) -> bool:
+    """Whether ``hook`` averages at this step (``begin_iter`` / ``begin_epoch`` reached)."""
+    return hook._ema_started(runner)  # why: EMAHook decides it only in this private method
+
+
+def swap_ema_state_dict(hook: EMAHook, checkpoint: Dict[str, Any]) -> None:
+    """Exchange ``checkpoint``'s trained and averaged weights, as the stock hook saves them."""
+    hook._swap_ema_state_dict(checkpoint)  # why: the stock format's one (private) definition
 
 
 def norm_clip_options(wrapper: OptimWrapper) -> Optional[Dict[str, Any]]:

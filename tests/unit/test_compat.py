@@ -151,6 +151,37 @@ def test_checkpoint_hook_state_read_through_compat(runner):
         assert hasattr(hook, name), f'CheckpointHook.{name} is gone (mmfsdp save_best reads it)'
 
 
+def test_ema_hook_decides_when_to_average_and_swaps_its_checkpoint_entries_privately():
+    from types import SimpleNamespace
+
+    from mmengine.hooks import EMAHook
+    by_iter, by_epoch = EMAHook(begin_iter=2), EMAHook(begin_epoch=2)
+    started = [compat.ema_started(hook, SimpleNamespace(iter=step, epoch=step))
+               for hook in (by_iter, by_epoch) for step in (0, 1)]
+    assert started == [False, True, False, True], \
+        'EMAHook._ema_started no longer starts at begin_iter / begin_epoch - 1 (mmfsdp.ema)'
+    checkpoint = dict(state_dict=dict(w='trained', b='buffer'),
+                      ema_state_dict={'module.w': 'averaged', 'steps': 3})
+    compat.swap_ema_state_dict(by_iter, checkpoint)
+    assert checkpoint == dict(state_dict=dict(w='averaged', b='buffer'),
+                              ema_state_dict={'module.w': 'trained', 'steps': 3}), \
+        "EMAHook._swap_ema_state_dict no longer swaps the 'module.'-prefixed entries (mmfsdp.ema)"
+
+
+def test_ema_hook_swaps_parameters_only_in_methods_mmfsdp_overrides():
+    """mmfsdp's hook swaps its pieces in its own ``_swap_averaged``; no stock swap may run."""
+    from mmengine.hooks import EMAHook
+
+    from mmfsdp.ema import EMAHook as OurEMAHook
+    swapping = {name for name, member in vars(EMAHook).items()
+                if callable(member) and name != '_swap_ema_parameters'
+                and 'self._swap_ema_parameters()' in _source(member)}
+    assert swapping == {'before_val_epoch', 'after_val_epoch', 'before_test_epoch',
+                        'after_test_epoch'}, \
+        f"mmengine's EMAHook now swaps the whole model's parameters in {sorted(swapping)}"
+    assert swapping <= set(vars(OurEMAHook)), 'mmfsdp.ema.EMAHook must override them all'
+
+
 def test_optim_wrapper_keeps_clip_grad_as_clip_func_and_kwargs():
     params = [nn.Parameter(torch.ones(2))]
     by_norm = OptimWrapper(torch.optim.SGD(params, lr=0.1),
