@@ -4,6 +4,7 @@ The stock versions save on rank 0 alone and load rank 0's view everywhere;
 these take every rank through the gather or the scatter and keep the rest of
 mmengine's behaviour (meta, message hub, schedulers, hooks).
 """
+import dataclasses
 import os
 import os.path as osp
 import time
@@ -55,7 +56,7 @@ from .state import (
     save_sharded_in_background,
 )
 
-__all__ = ['CheckpointMixin', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
+__all__ = ['CheckpointMixin', 'CheckpointState', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKENS_KEY']
 
 #: ``meta`` key of a checkpoint: the tokens of the runs whose temporaries the run that
 #: wrote it removes; a run resuming from it takes them over.
@@ -64,6 +65,23 @@ TOKENS_KEY = 'temporary_tokens'
 #: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
 _REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, MMEngineCheckpointHook: CheckpointHook,
                    'EMAHook': EMAHook, MMEngineEMAHook: EMAHook}
+
+
+@dataclasses.dataclass
+class CheckpointState:
+    """What a runner's saves and loads carry from one call to the next (one per runner)."""
+
+    #: The save being written in the background, until it is published or settled.
+    in_flight: Optional[BackgroundWrite] = None
+    #: The copies of background saves, reused by the next one.
+    stager: ShardStager = dataclasses.field(default_factory=ShardStager)
+    #: This run's token in temporary names (rank 0 draws it at the first save).
+    token: Optional[str] = None
+    #: Tokens of the run resumed from, whose leftovers the next save removes.
+    resumed_tokens: List[str] = dataclasses.field(default_factory=list)
+    #: While :meth:`CheckpointMixin.resume` loads: whether it loads the optimizer state too.
+    resuming: bool = False
+    resume_optimizer: bool = False
 
 
 class CheckpointMixin:
@@ -82,6 +100,10 @@ class CheckpointMixin:
     0's ``before_save_checkpoint`` (``shards``: saved beside the model's), and
     ``after_load_checkpoint_shards(runner, path, checkpoint)``.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.checkpoint_state = CheckpointState()
+        super().__init__(*args, **kwargs)
 
     def register_hook(self, hook: Any, priority: Any = None) -> None:
         """Register a hook; the stock ``CheckpointHook`` and ``EMAHook`` become mmfsdp's."""
@@ -149,13 +171,13 @@ class CheckpointMixin:
                     self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
                     checkpoint = self._safe_to_load(checkpoint)
             if background:
-                self._in_flight = save_sharded_in_background(
+                self.checkpoint_state.in_flight = save_sharded_in_background(
                     path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards, token,
-                    clean, self._stager())
+                    clean, self.checkpoint_state.stager)
             else:
                 save_sharded(path, self.model, optim_wrapper, checkpoint, wait_s, extra_shards,
                              token, clean)
-        self._resumed_tokens = []  # their leftovers go when this checkpoint is in place
+        self.checkpoint_state.resumed_tokens = []  # their leftovers go with this one in place
 
     def _start_background_write(self, checkpoint: Dict[str, Any], path: str, token: str,
                                 clean: Sequence[str], wait_s: float) -> None:
@@ -165,21 +187,16 @@ class CheckpointMixin:
         with fail_together(f'staging checkpoint {path}', wait_s):
             if is_main_process():
                 self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-                staged = self._stager().copy(self._safe_to_load(checkpoint))
+                staged = self.checkpoint_state.stager.copy(self._safe_to_load(checkpoint))
                 os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
                 future = write_file_in_background(staged, tmp)
-                self._stager().written_by(future)
-        self._in_flight = BackgroundWrite(path, tmp, token, clean, wait_s, future)
-
-    def _stager(self) -> ShardStager:
-        """The copies of the runner's background saves, kept for the next one."""
-        if getattr(self, '_staging', None) is None:
-            self._staging = ShardStager()
-        return self._staging
+                self.checkpoint_state.stager.written_by(future)
+        self.checkpoint_state.in_flight = BackgroundWrite(path, tmp, token, clean, wait_s,
+                                                          future)
 
     def checkpoint_in_flight(self) -> Optional[str]:
         """The path of the checkpoint being written in the background, or ``None``."""
-        write = getattr(self, '_in_flight', None)
+        write = self.checkpoint_state.in_flight
         return write.path if write is not None else None
 
     def when_checkpoint_published(self, callback: Callable[[], None]) -> None:
@@ -189,7 +206,7 @@ class CheckpointMixin:
         :meth:`wait_for_checkpoint` has published it. Not called if its write
         fails.
         """
-        write = getattr(self, '_in_flight', None)
+        write = self.checkpoint_state.in_flight
         if write is None:
             callback()
         else:
@@ -204,7 +221,7 @@ class CheckpointMixin:
         expires. A write that failed on any rank raises here on every rank,
         naming the rank and its error, and rank 0 removes its temporary.
         """
-        write, self._in_flight = getattr(self, '_in_flight', None), None
+        write, self.checkpoint_state.in_flight = self.checkpoint_state.in_flight, None
         if write is not None:
             write.publish()
 
@@ -216,7 +233,7 @@ class CheckpointMixin:
         every training iteration, so a failed write is an error on every rank
         within one iteration, and a finished one is published.
         """
-        write = getattr(self, '_in_flight', None)
+        write = self.checkpoint_state.in_flight
         if write is not None and write.ended():
             self.wait_for_checkpoint()
 
@@ -228,7 +245,7 @@ class CheckpointMixin:
         removes it if it failed, and logs which
         (:meth:`~.background.BackgroundWrite.settle`).
         """
-        write, self._in_flight = getattr(self, '_in_flight', None), None
+        write, self.checkpoint_state.in_flight = self.checkpoint_state.in_flight, None
         if write is not None:
             write.settle()
 
@@ -246,7 +263,7 @@ class CheckpointMixin:
         sharded = is_sharded_checkpoint(filename) or is_dcp_checkpoint(filename)
         if sharded:
             checkpoint = read_sharded_meta(filename, allow_unsafe)  # {}: torch's dcp.save
-            if not checkpoint and getattr(self, '_resuming', False):
+            if not checkpoint and self.checkpoint_state.resuming:
                 raise ValueError(
                     f'resume: {filename} is a DCP checkpoint without {META_FILE} (written by '
                     "torch's dcp.save): it holds weights, no iteration, optimizer or scheduler "
@@ -259,9 +276,9 @@ class CheckpointMixin:
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         own = model_shapes(self.model)
         optim_wrapper = self._optim_wrapper_to_resume(checkpoint)
-        if getattr(self, '_resuming', False):
+        if self.checkpoint_state.resuming:
             tokens = (checkpoint.get('meta') or {}).get(TOKENS_KEY) or []
-            self._resumed_tokens = [t for t in tokens if isinstance(t, str)]
+            self.checkpoint_state.resumed_tokens = [t for t in tokens if isinstance(t, str)]
         if sharded:
             match = match_keys(own, checkpoint_model_shapes(filename, allow_unsafe), revise_keys)
             self._check_match(match, filename, strict, sharded=True)
@@ -311,12 +328,13 @@ class CheckpointMixin:
         """
         if load_from(self) is None:
             filename = self._complete_checkpoint(filename)
-        self._resuming, self._resume_optimizer = True, resume_optimizer
+        state = self.checkpoint_state
+        state.resuming, state.resume_optimizer = True, resume_optimizer
         try:  # load_checkpoint loads the optimizer state too
             super().resume(filename, resume_optimizer=False,
                            resume_param_scheduler=resume_param_scheduler, map_location='cpu')
         finally:
-            self._resuming = False
+            state.resuming = False
 
     def _optim_wrapper_to_resume(self, checkpoint: Dict[str, Any]) -> Any:
         """The optim wrapper whose state a resume loads from ``checkpoint``, or ``None``.
@@ -325,7 +343,7 @@ class CheckpointMixin:
         (a resume before ``train()``) and loaded before the parameter schedulers
         are built: their first step scales the resumed learning rates.
         """
-        if not (getattr(self, '_resuming', False) and self._resume_optimizer):
+        if not (self.checkpoint_state.resuming and self.checkpoint_state.resume_optimizer):
             return None
         if 'optimizer' not in checkpoint and 'optimizer_param_groups' not in checkpoint:
             return None
@@ -349,10 +367,10 @@ class CheckpointMixin:
         removes the leftovers of the run it resumed from (:data:`TOKENS_KEY`),
         as the stock ``CheckpointHook`` takes over ``keep_ckpt_ids``.
         """
-        if getattr(self, '_temporary_token', None) is None:
-            self._temporary_token = _from_rank0(new_token())
-        resumed = [t for t in getattr(self, '_resumed_tokens', []) if t != self._temporary_token]
-        return self._temporary_token, [self._temporary_token] + resumed
+        state = self.checkpoint_state
+        if state.token is None:
+            state.token = _from_rank0(new_token())
+        return state.token, [state.token] + [t for t in state.resumed_tokens if t != state.token]
 
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""

@@ -97,7 +97,7 @@ class _WaitForWrite(Hook):
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         if runner.iter + 1 == 3:
-            write = runner._in_flight  # the write the poll will look at
+            write = runner.checkpoint_state.in_flight  # the write the poll will look at
             concurrent.futures.wait([write.future] if write.future else [], timeout=30)
 
 

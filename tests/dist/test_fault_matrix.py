@@ -125,7 +125,7 @@ class _DiskFullBeforeSave(Hook):
         from mmfsdp.checkpoint.durable import temporary_path
         if runner.rank == 0 and checkpoint['meta']['iter'] == 4:
             os.symlink('/dev/full', temporary_path(f'{runner.work_dir}/iter_4.pth',
-                                                   runner._temporary_token))
+                                                   runner.checkpoint_state.token))
             _inject(self.case)
 
 
