@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from .agreement import fail_together
 from .checkpoint.safe_io import UNSAFE_SWITCH, SafeFileSystemReader, load_shards
 from .checkpoint.state import gather_full_state, load_full_model_state, sharded_state
 from .compat import ema_started, fsdp1_reshard_if_gathered, resume_requested, swap_ema_state_dict
 from .names import unwrapped_named_buffers, unwrapped_named_parameters
 from .registry import HOOKS
-from .together import fail_together
 
 __all__ = ['EMA_SHARDS_KEY', 'EMAHook', 'configures_ema', 'ema_bytes_per_rank',
            'full_ema_entries', 'reshard']

@@ -11,6 +11,7 @@ from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .agreement import check_ranks_agree, fail_together
 from .amp import replace_stock_amp
 from .checkpoint.durable import publish_unpublished
 from .checkpoint.mixin import CheckpointMixin
@@ -44,7 +45,6 @@ from .optim import (
 )
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
-from .together import check_ranks_agree, fail_together
 from .wrappers.base import Layout
 from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
@@ -176,7 +176,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
         The layout is the one walk into units; a rank whose check fails, or
         that built a different model or plan, makes every rank raise
-        (:mod:`mmfsdp.together`) before the first collective that depends on
+        (:mod:`mmfsdp.agreement`) before the first collective that depends on
         the model. The model then goes to its device, or stays on the CPU for
         the wrapper to move unit by unit; under meta init it is wrapped at once.
         """

@@ -13,7 +13,7 @@
 3. **publish** (main thread, every rank: as soon as the write ended on every
    rank, polled after each training iteration; at the latest at the next save,
    the end of ``train()`` or exit): the ranks agree that every write finished
-   (:func:`mmfsdp.together.fail_together`), then rank 0 renames the temporary
+   (:func:`mmfsdp.agreement.fail_together`), then rank 0 renames the temporary
    into place and the hook repoints ``last_checkpoint`` and deletes what
    ``max_keep_ckpts`` expires.
 
@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from ..agreement import alone, control_group, fail_together
 from ..compat import dtensor_like
 from ..options import resolve_flag
-from ..together import alone, control_group, fail_together
 from .durable import remove_path, remove_stale_temporaries, replace_path
 
 __all__ = ['BackgroundWrite', 'ShardStager', 'publish_at_exit', 'resolve_async_save',

@@ -25,10 +25,10 @@ from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 from mmengine.dist import is_main_process
 from mmengine.logging import MMLogger
 
+from ..agreement import fail_together
 from ..compat import CheckpointHookSteps
 from ..options import check_keys
 from ..registry import HOOKS
-from ..together import fail_together
 from .background import resolve_async_save
 from .durable import remove_path, replace_path, save_atomically, write_text_atomically
 from .safe_io import ENCODING_KEY, load_file

@@ -17,10 +17,10 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 from mmengine.hooks import EMAHook as MMEngineEMAHook
 
+from ..agreement import control_group, fail_together
 from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
-from ..together import control_group, fail_together
 from .background import (
     BackgroundWrite,
     ShardStager,

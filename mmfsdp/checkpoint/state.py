@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..agreement import control_group, fail_together
 from ..dist import current_device
 from ..names import unwrapped_param_names
 from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
-from ..together import control_group, fail_together
 from .background import BackgroundWrite, ShardStager, run_in_background, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
 from .safe_io import SafeFileSystemReader, load_file, load_shards

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ..agreement import UsageProbe, check_same_parameters_used
 from ..compat import HYBRID_SHARD_ZERO2, checkpoint_inner
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
@@ -44,7 +45,6 @@ from ..options import (
 )
 from ..policies import ModelIndex, PolicyConfig, within
 from ..registry import MODEL_WRAPPERS
-from ..together import UsageProbe, check_same_parameters_used
 from .base import (
     Construction,
     Layout,
