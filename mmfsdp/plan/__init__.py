@@ -6,7 +6,7 @@
 - :mod:`.trace`, :mod:`.batch`, :mod:`.step`: activations of one training step
   traced with fake tensors, and the step's peak per rank (imported on first
   use: ``import mmfsdp`` does not load the tracer);
-- :mod:`.host`: what a CPU host keeps resident beyond the live tensors;
+- :mod:`.allocator`: what a CPU host's allocator keeps resident beyond the live tensors;
 - :mod:`.fit`: the configurations whose peak fits a memory budget;
 - ``python -m mmfsdp.plan CONFIG --world-size 1 8 64``: a dry run on the meta device.
 """
@@ -31,7 +31,7 @@ __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPe
 
 #: Names served from the tracer's modules on first use (PEP 562).
 _LAZY = dict(BatchFn='.trace', StepTrace='.trace', trace_step='.trace', StepPeak='.step',
-             step_peak='.step', heap_threshold='.host')
+             step_peak='.step', heap_threshold='.allocator')
 
 
 def __getattr__(name: str) -> Any:

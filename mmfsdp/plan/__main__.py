@@ -28,9 +28,9 @@ from ..runner import revert_sync_bn
 from ..wrappers.base import Layout
 from ..wrappers.builder import model_wrapper_config, resolve_wrapper
 from . import format_plan, plan_of, plan_to_dict, step_peak, trace_of
+from .allocator import ALLOCATORS, heap_threshold, launch_allocator
 from .batch import config_batch, shape_batch
 from .fit import fit, parse_bytes
-from .host import ALLOCATORS, heap_threshold, launch_allocator
 from .report import format_step, size_text
 
 PROG = 'python -m mmfsdp.plan'

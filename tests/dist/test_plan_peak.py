@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Dataset
 
 from harness import REPO, SUPPORT
-from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
+from mmfsdp.plan.allocator import GLIBC_MAX_MMAP_THRESHOLD, launch_allocator
 from vision import IMAGES, PREPROCESSOR
 
 CONFIG = 'configs/gpt-nano_fsdp_2xcpu.py'

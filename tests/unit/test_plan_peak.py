@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from mmfsdp.plan import heap_threshold, plan_for, step_peak, trace_for
+from mmfsdp.plan.allocator import GLIBC_MAX_MMAP_THRESHOLD
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
-from mmfsdp.plan.host import GLIBC_MAX_MMAP_THRESHOLD
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 from vision import IMAGES, PREPROCESSOR, ConvBNClassifier
 
