@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from .agreement import check_ranks_agree, fail_together
 from .amp import replace_stock_amp
 from .checkpoint.durable import publish_unpublished
-from .checkpoint.mixin import CheckpointMixin
+from .checkpoint.runner_methods import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH, safe_reads
 from .checkpoint.state import META_FILE, load_full_optimizer_state
 from .compat import RunnerSteps, load_from, resume_requested

@@ -4,7 +4,7 @@
 - :mod:`.safe_io`: ``weights_only`` reading from any location, and the values it accepts;
 - :mod:`.durable`: crash-safe writes, clean-up of a run's own temporaries, completeness;
 - :mod:`.hook`: a ``CheckpointHook`` that deletes old checkpoints only after saving;
-- :mod:`.mixin`: the Runner methods that use them (imported by the runner; it swaps in
+- :mod:`.runner_methods`: the Runner methods that use them (imported by the runner; it swaps in
   :class:`mmfsdp.ema.EMAHook`, which itself reads and writes through :mod:`.state`).
 
 Formats, guarantees and options: ``docs/checkpoints.md``.

@@ -104,9 +104,9 @@ STAGED: list = []
 
 def _record_staging() -> None:
     """From now on, append each background save's staged copy to :data:`STAGED`."""
-    from mmfsdp.checkpoint import mixin
+    from mmfsdp.checkpoint import runner_methods
     from mmfsdp.checkpoint.background import ShardStager
-    stage, write = ShardStager.stage, mixin.write_file_in_background
+    stage, write = ShardStager.stage, runner_methods.write_file_in_background
 
     def recorded_stage(self, state_dict):
         copy = stage(self, state_dict)
@@ -117,7 +117,7 @@ def _record_staging() -> None:
         STAGED.append(dict(_staged_tensors(obj)))
         return write(obj, tmp)
 
-    ShardStager.stage, mixin.write_file_in_background = recorded_stage, recorded_write
+    ShardStager.stage, runner_methods.write_file_in_background = recorded_stage, recorded_write
 
 
 def _two_ranks(root: str) -> dict:

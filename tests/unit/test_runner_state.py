@@ -1,14 +1,14 @@
 """The runner's state is declared where it is made: no ``getattr(self, name, default)``.
 
 A default behind ``getattr`` hides which attributes a runner has and from when; what the
-checkpoint methods carry between calls is one :class:`~mmfsdp.checkpoint.mixin.CheckpointState`,
-made once in ``__init__``.
+checkpoint methods carry between calls is one
+:class:`~mmfsdp.checkpoint.runner_methods.CheckpointState`, made once in ``__init__``.
 """
 import ast
 from pathlib import Path
 
 import mmfsdp
-from mmfsdp.checkpoint.mixin import CheckpointMixin, CheckpointState
+from mmfsdp.checkpoint.runner_methods import CheckpointMixin, CheckpointState
 
 PACKAGE = Path(mmfsdp.__file__).parent
 
