@@ -145,10 +145,12 @@ def _resolves_options(resolver: Callable[..., Dict[str, Any]]) -> Callable:
 
 
 def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f'{key}: expected a positive number of parameters, got {value!r} '
+    """A positive whole number, also written as a float (``1e7``, as OpenMMLab's configs do)."""
+    whole = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise ValueError(f'{key}: expected a positive whole number of parameters, got {value!r} '
                          '(a unit with no parameters shards nothing)')
-    return value
+    return int(value)
 
 
 @FSDP_WRAP_POLICIES.register_module()

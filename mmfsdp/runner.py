@@ -45,6 +45,7 @@ from .optim import (
 )
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
+from .strategies import translate_strategy
 from .wrappers.base import Layout
 from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
@@ -80,8 +81,14 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
     def setup_env(self, env_cfg: Dict) -> None:
         """Check the launcher, resolve the wrapper config (once), start the process group."""
         check_launcher(self.launcher)
-        wrapping = resolve_wrapper(model_wrapper_config(self.cfg),
-                                   self.cfg.get('default_scope', 'mmengine'))
+        self._strategy = translate_strategy(self.cfg)
+        try:
+            wrapping = resolve_wrapper(model_wrapper_config(self.cfg),
+                                       self.cfg.get('default_scope', 'mmengine'))
+        except (KeyError, TypeError, ValueError) as e:
+            if self._strategy.lines:
+                e.add_note(self._strategy.log_block())
+            raise
         wrapping.config.check_device(current_device())
         if self.cfg.get('compile') and wrapping.config.regional_compile is not None:
             raise ValueError(
@@ -127,7 +134,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         replacement takes the same arguments and is logged, as the stock
         ``CheckpointHook`` becomes ``mmfsdp.CheckpointHook``.
         """
-        optim_wrapper, replaced = replace_stock_amp(optim_wrapper)
+        optim_wrapper, replaced = replace_stock_amp(self._strategy.optim_wrapper_cfg(optim_wrapper))
         for key in replaced:
             self.logger.info(f"{key}: mmengine's AmpOptimWrapper replaced by "
                              'mmfsdp.AmpOptimWrapper (runs on any device; loss scaling agrees '
@@ -140,8 +147,11 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         torch's ``SyncBatchNorm`` runs only on an accelerator, and OpenMMLab's
         configs use it (``norm_cfg=dict(type='SyncBN')``): without one it is
         converted here, before the model is checked or walked and before any
-        collective (:func:`revert_sync_bn`), and logged once.
+        collective (:func:`revert_sync_bn`), and logged once. A FlexibleRunner
+        ``strategy`` is logged here as translated (:mod:`mmfsdp.strategies`), once.
         """
+        if self._strategy.lines:
+            self.logger.info(self._strategy.log_block())
         if self._wrap_state.meta_init:
             built = build_on_meta(super().build_model, model)
         else:
@@ -158,6 +168,11 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                    "ranks, add custom_hooks=[dict(type='SyncBuffersHook')] (before each "
                    'validation and after each training epoch)' if self.distributed else ''))
         return built
+
+    def register_hooks(self, default_hooks: Optional[Dict] = None,
+                       custom_hooks: Optional[List] = None) -> None:
+        """The stock hooks; a ``strategy``'s ``state_dict_cfg`` sets the checkpoint format."""
+        super().register_hooks(self._strategy.default_hooks(default_hooks), custom_hooks)
 
     def wrap_model(self, model_wrapper_cfg: Optional[Dict], model: nn.Module) -> nn.Module:
         """Wrap ``model`` as resolved in :meth:`setup_env`, once its weights are final.
@@ -305,7 +320,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         if is_main_process() and state.wrapping.ours:
             log_sharding_plan(self.logger, plan_of(
                 state.wrapping, state.layout, model, self.world_size,
-                self.cfg.get('optim_wrapper') or {},
+                self._strategy.optim_wrapper_cfg(self.cfg.get('optim_wrapper') or {}),
                 ema=configures_ema(self.cfg.get('custom_hooks'))))
 
     def _bind_optim_wrapper(self) -> None:

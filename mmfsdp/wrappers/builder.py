@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..options import check_keys, suggest, wrapper_options
 from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
+from ..strategies import translate_strategy
 from .base import Layout, WrapperConfig, is_parallel_wrapper
 
 __all__ = ['DEFAULT_WRAPPER', 'Wrapping', 'model_wrapper_config', 'registered_wrapper_names',
@@ -41,7 +42,11 @@ def model_wrapper_config(cfg: Mapping[str, Any]) -> Dict[str, Any]:
 
     Unset: :data:`DEFAULT_WRAPPER` with the config's ``find_unused_parameters``;
     without ``type``: its keys are options of that default wrapper, as in mmengine.
+    A FlexibleRunner ``strategy`` gives its translation (:mod:`mmfsdp.strategies`).
     """
+    strategy = translate_strategy(cfg).model_wrapper_cfg
+    if strategy:
+        return dict(strategy)
     wrapper_cfg = cfg.get('model_wrapper_cfg')
     if wrapper_cfg is None:
         return dict(type=DEFAULT_WRAPPER,

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from mmengine.config import Config
 from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, METRICS, MODELS
+from mmengine.registry import (
+    DATASETS,
+    METRICS,
+    MODELS,
+    OPTIM_WRAPPER_CONSTRUCTORS,
+    OPTIM_WRAPPERS,
+    OPTIMIZERS,
+)
 from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import Dataset
@@ -113,6 +120,26 @@ class ToyMetric(BaseMetric):
     def compute_metrics(self, results: list) -> Dict[str, float]:
         return dict(nll=sum(r[0] for r in results) / len(results),
                     accuracy=sum(r[1] for r in results) / len(results))
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module()
+class DecayByDepth:
+    """Layer-wise lr decay (the role of mmpretrain's ``LearningRateDecayOptimWrapperConstructor``).
+
+    Block ``i`` of ``n`` gets ``lr * rate**(n - i)``; the rest keeps ``lr``.
+    """
+
+    def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: dict) -> None:
+        self.cfg, self.rate = dict(optim_wrapper_cfg), paramwise_cfg['layer_decay_rate']
+
+    def __call__(self, model: nn.Module) -> Any:
+        optimizer_cfg = dict(self.cfg.pop('optimizer'))
+        depth, lr = len(model.blocks), optimizer_cfg['lr']
+        groups = [dict(params=[p], lr=lr * self.rate**(
+            depth - int(n.split('.')[1]) if n.startswith('blocks.') else 0))
+            for n, p in model.named_parameters()]
+        optimizer = OPTIMIZERS.build(dict(optimizer_cfg, params=groups))
+        return OPTIM_WRAPPERS.build(self.cfg, default_args=dict(optimizer=optimizer))
 
 
 #: Numbers the runner configs of a process. mmengine's Runner takes its MessageHub, logger and

@@ -1,0 +1,307 @@
+"""FlexibleRunner strategies translated into mmfsdp's keys (no process).
+
+The strategy dicts are the shipped ones, written here literally: mmpretrain 1.2.0's
+``configs/mae/benchmarks/vit-large-p16_8xb128-{fsdp,ds,ds-zero3}-coslr-50e_in1k.py`` and
+mmdetection's ``projects/example_largemodel/dino-5scale_swin-l_{fsdp,deepspeed}_8xb2-12e_coco.py``.
+The multi-rank runs that train them sharded are ``tests/dist/test_strategies.py``.
+"""
+import copy
+
+import pytest
+from mmengine.config import Config
+from mmengine.optim import OptimWrapper
+from torch import nn
+
+from mmfsdp import AmpOptimWrapper, FSDPRunner
+from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp.strategies import translate_strategy
+from mmfsdp.wrappers.builder import model_wrapper_config, resolve_wrapper
+from toy import ToyClassifier, runner_config
+
+# mmpretrain 1.2.0, vit-large-p16_8xb128-fsdp-coslr-50e_in1k.py
+MMPRETRAIN_FSDP = dict(
+    type='FSDPStrategy',
+    model_wrapper=dict(
+        auto_wrap_policy=dict(
+            type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy',
+            min_num_params=1e7)))
+# mmpretrain 1.2.0, vit-large-p16_8xb128-ds-coslr-50e_in1k.py (the zero3 variant: stage=3)
+MMPRETRAIN_DS = dict(
+    type='DeepSpeedStrategy',
+    fp16=dict(
+        enabled=True,
+        fp16_master_weights_and_grads=False,
+        loss_scale=0,
+        loss_scale_window=500,
+        hysteresis=2,
+        min_loss_scale=1,
+        initial_scale_power=15,
+    ),
+    inputs_to_half=['inputs'],
+    zero_optimization=dict(
+        stage=1,
+        allgather_partitions=True,
+        reduce_scatter=True,
+        allgather_bucket_size=50000000,
+        reduce_bucket_size=50000000,
+        overlap_comm=True,
+        contiguous_gradients=True,
+        cpu_offload=False,
+    ))
+# its optim_wrapper once merged with its base (vit-base-p16_8xb128-coslr-100e_in1k.py)
+MMPRETRAIN_DS_OPTIM = dict(
+    type='DeepSpeedOptimWrapper',
+    optimizer=dict(type='AdamW', lr=4e-3, weight_decay=0.05, betas=(0.9, 0.999)),
+    constructor='LearningRateDecayOptimWrapperConstructor',
+    paramwise_cfg=dict(
+        layer_decay_rate=0.75,
+        custom_keys={
+            '.ln': dict(decay_mult=0.0),
+            '.bias': dict(decay_mult=0.0),
+            '.cls_token': dict(decay_mult=0.0),
+            '.pos_embed': dict(decay_mult=0.0)
+        }))
+
+
+def name_auto_wrap_policy(module, recurse: bool, nonwrapped_numel: int, layer_cls=None) -> bool:
+    """The shape of mmdet's example policy (``projects/example_largemodel/utils.py``)."""
+    return recurse or isinstance(module, nn.Linear)
+
+
+# mmdet, dino-5scale_swin-l_fsdp_8xb2-12e_coco.py (a Python-style config)
+MMDET_FSDP = dict(
+    type='FSDPStrategy',
+    model_wrapper=dict(
+        auto_wrap_policy=dict(
+            type=name_auto_wrap_policy)))
+# mmdet, dino-5scale_swin-l_deepspeed_8xb2-12e_coco.py
+MMDET_DS = dict(
+    type='DeepSpeedStrategy',
+    gradient_clipping=0.1,
+    fp16=dict(
+        enabled=True,
+        fp16_master_weights_and_grads=False,
+        loss_scale=0,
+        loss_scale_window=500,
+        hysteresis=2,
+        min_loss_scale=1,
+        initial_scale_power=15,
+    ),
+    inputs_to_half=['inputs'],
+    zero_optimization=dict(
+        stage=3,
+        allgather_partitions=True,
+        reduce_scatter=True,
+        allgather_bucket_size=50000000,
+        reduce_bucket_size=50000000,
+        overlap_comm=True,
+        contiguous_gradients=True,
+        cpu_offload=False),
+)
+MMDET_DS_OPTIM = dict(
+    type='DeepSpeedOptimWrapper',
+    optimizer=dict(type='AdamW', lr=0.0001, weight_decay=0.0001),
+    paramwise_cfg=dict(custom_keys={'backbone': dict(lr_mult=0.1)}))
+
+
+def _translate(strategy, **cfg):
+    cfg = dict(cfg, strategy=strategy)
+    before = copy.deepcopy(cfg)
+    out = translate_strategy(cfg)
+    assert cfg == before  # the user's config is never changed
+    return out
+
+
+def _sources(lines):
+    return [line.split(' → ')[0].split('=')[0] for line in lines]
+
+
+def test_mmpretrain_fsdp_strategy_is_fsdp2_with_the_size_based_policy():
+    cfg = dict(strategy=MMPRETRAIN_FSDP, optim_wrapper=dict(type='AmpOptimWrapper'))
+    out = _translate(**cfg)
+    assert out.model_wrapper_cfg == dict(
+        type='mmfsdp.MMFullyShard', auto_wrap_policy=dict(type='size_based', min_num_params=1e7))
+    assert out.optim_wrapper == {} and out.checkpoint == {}  # AmpOptimWrapper: replaced as ever
+    assert _sources(out.lines) == ['strategy.type', 'strategy.model_wrapper.auto_wrap_policy']
+    # the place FSDPRunner and the plan CLI resolve the wrapper takes the strategy
+    wrapping = resolve_wrapper(model_wrapper_config(cfg))
+    assert wrapping.cls.__name__ == 'MMFullyShard'
+    assert wrapping.config.auto_wrap_policy == dict(type='size_based', min_num_params=1e7)
+
+
+def test_size_based_takes_an_integral_float_and_refuses_a_fraction():
+    model = ToyClassifier(dim=16, depth=3)  # a block holds 1072 parameters
+    assert plan_units(model, build_wrap_policy(dict(type='size_based', min_num_params=1e3),
+                                               model)) == ['blocks.0', 'blocks.1', 'blocks.2']
+    with pytest.raises(ValueError, match=r'auto_wrap_policy.min_num_params: expected a positive '
+                       r'whole number of parameters, got 1500.5'):
+        build_wrap_policy(dict(type='size_based', min_num_params=1500.5), model)
+
+
+def test_fsdp_strategy_options_and_fsdp1_on_request():
+    out = _translate(dict(
+        type='FSDPStrategy', skip_init_weights=True, state_dict_cfg='local',
+        model_wrapper=dict(type='MMFullyShardedDataParallel', use_orig_params=True,
+                           sharding_strategy='SHARD_GRAD_OP',
+                           mixed_precision=dict(param_dtype='bfloat16'),
+                           auto_wrap_policy=dict(
+                               type='torch.distributed.fsdp.wrap.transformer_auto_wrap_policy',
+                               transformer_layer_cls={nn.Linear}))))
+    assert out.model_wrapper_cfg == dict(
+        type='mmfsdp.MMFullyShardedDataParallel', sharding_strategy='SHARD_GRAD_OP',
+        mixed_precision=dict(param_dtype='bfloat16'), init_device='meta',
+        auto_wrap_policy=dict(type='transformer', layer_cls={nn.Linear}))
+    assert out.checkpoint == dict(state_dict_type='sharded')
+    assert sorted(_sources(out.lines)) == sorted([
+        'strategy.model_wrapper.type', 'strategy.model_wrapper.use_orig_params',
+        'strategy.model_wrapper.sharding_strategy', 'strategy.model_wrapper.mixed_precision',
+        'strategy.model_wrapper.auto_wrap_policy', 'strategy.skip_init_weights',
+        'strategy.state_dict_cfg'])
+    hooks = out.default_hooks(dict(checkpoint=dict(type='CheckpointHook', interval=5)))
+    assert hooks['checkpoint'] == dict(type='CheckpointHook', interval=5,
+                                       state_dict_type='sharded')
+    assert out.default_hooks(None)['checkpoint']['state_dict_type'] == 'sharded'
+    fsdp2 = _translate(dict(type='FSDPStrategy', state_dict_cfg=dict(
+        state_dict_type='FULL_STATE_DICT'), model_wrapper=dict(cpu_offload=True)))
+    assert fsdp2.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
+                                           offload=dict(cpu_offload=True))
+    assert fsdp2.checkpoint == dict(state_dict_type='full')
+
+
+def test_mmdet_callable_policy_is_kept():
+    out = _translate(MMDET_FSDP)
+    assert out.model_wrapper_cfg['auto_wrap_policy'] is name_auto_wrap_policy
+    model = ToyClassifier(dim=16, depth=1)
+    wrapping = resolve_wrapper(model_wrapper_config(dict(strategy=MMDET_FSDP)))
+    assert wrapping.layout(model).units == ('embed', 'blocks.0.fc1', 'blocks.0.fc2', 'head')
+
+
+@pytest.mark.parametrize('stage, reshard', [(1, False), (3, True)])
+def test_mmpretrain_deepspeed_strategy(stage, reshard):
+    strategy = dict(MMPRETRAIN_DS, zero_optimization=dict(MMPRETRAIN_DS['zero_optimization'],
+                                                          stage=stage))
+    out = _translate(strategy, optim_wrapper=MMPRETRAIN_DS_OPTIM)
+    assert out.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
+                                         reshard_after_forward=reshard)
+    optim = out.optim_wrapper_cfg(MMPRETRAIN_DS_OPTIM)
+    assert optim == dict(MMPRETRAIN_DS_OPTIM, type=AmpOptimWrapper, dtype='float16',
+                         loss_scale=dict(init_scale=2.0**15, growth_interval=500))
+    stage_line = next(line for line in out.lines if 'reshard_after_forward' in line)
+    assert ('nearest' in stage_line) == (stage == 1)
+    # every key of the strategy is in the log block once
+    sources = set(_sources(out.lines))
+    for key in ('inputs_to_half', 'zero_optimization.stage', 'zero_optimization.cpu_offload',
+                'zero_optimization.overlap_comm', 'zero_optimization.reduce_bucket_size',
+                'fp16.enabled', 'fp16.hysteresis', 'fp16.min_loss_scale',
+                'fp16.fp16_master_weights_and_grads'):
+        assert f'strategy.{key}' in sources, key
+    assert out.log_block().count('\n') == len(out.lines)
+
+
+def test_mmdet_deepspeed_strategy_clips_and_keeps_paramwise_cfg():
+    out = _translate(MMDET_DS, optim_wrapper=MMDET_DS_OPTIM)
+    assert out.model_wrapper_cfg['reshard_after_forward'] is True
+    assert out.optim_wrapper_cfg(MMDET_DS_OPTIM) == dict(
+        MMDET_DS_OPTIM, type=AmpOptimWrapper, dtype='float16', clip_grad=dict(max_norm=0.1),
+        loss_scale=dict(init_scale=2.0**15, growth_interval=500))
+
+
+def test_deepspeed_bf16_stage2_and_stage0():
+    out = _translate(dict(type='DeepSpeedStrategy', bf16=dict(enabled=True),
+                          zero_optimization=dict(stage=2), gradient_accumulation_steps=2),
+                     optim_wrapper=dict(type='DeepSpeedOptimWrapper'))
+    assert out.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
+                                         reshard_after_forward=False)
+    assert out.optim_wrapper == dict(type=AmpOptimWrapper, dtype='bfloat16', accumulative_counts=2,
+                                     loss_scale=dict(enabled=False))
+    plain = _translate(dict(type='DeepSpeedStrategy'), optim_wrapper=dict(
+        type='DeepSpeedOptimWrapper'))
+    assert plain.model_wrapper_cfg == dict(type='mmfsdp.MMDistributedDataParallel')
+    assert plain.optim_wrapper == dict(type=OptimWrapper)
+
+
+@pytest.mark.parametrize('cfg, error, words', [
+    (dict(strategy=MMPRETRAIN_FSDP, model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard')),
+     ValueError, ['strategy and model_wrapper_cfg']),
+    (dict(strategy=dict(type='ColossalAIStrategy')), KeyError,
+     ["strategy.type: 'ColossalAIStrategy'", 'FSDPStrategy']),
+    (dict(strategy=dict(MMPRETRAIN_FSDP, skip_init_weight=True)), TypeError,
+     ["unknown key 'skip_init_weight'", "did you mean 'skip_init_weights'"]),
+    (dict(strategy=dict(MMPRETRAIN_FSDP, activation_checkpointing=dict(check_fn='f'))),
+     ValueError, ['strategy.activation_checkpointing=', 'layer_cls']),
+    (dict(strategy=dict(MMPRETRAIN_FSDP, work_dir='w')), ValueError,
+     ["strategy.work_dir='w'", 'config key work_dir']),
+    (dict(strategy=dict(type='FSDPStrategy', model_wrapper=dict(param_init_fn=print))),
+     ValueError, ['strategy.model_wrapper.param_init_fn=', 'skip_init_weights']),
+    (dict(strategy=dict(type='FSDPStrategy', model_wrapper=dict(type='MMDDP'))), ValueError,
+     ["strategy.model_wrapper.type: 'MMDDP'"]),
+    (dict(strategy=dict(type='FSDPStrategy', model_wrapper=dict(auto_wrap_policy='nope'))),
+     KeyError, ["strategy.model_wrapper.auto_wrap_policy: 'nope'"]),
+    (dict(strategy=dict(type='FSDPStrategy', state_dict_cfg='full'),
+          default_hooks=dict(checkpoint=dict(type='CheckpointHook', state_dict_type='full'))),
+     ValueError, ['state_dict_cfg and default_hooks.checkpoint.state_dict_type']),
+    (dict(strategy=dict(type='FSDPStrategy', state_dict_cfg=dict(
+        state_dict_type='FULL_STATE_DICT', state_dict_config=dict(offload_to_cpu=True)))),
+     TypeError, ["strategy.state_dict_cfg: unknown key 'state_dict_config'"]),
+    (dict(strategy=dict(type='FSDPStrategy', state_dict_cfg='everything')), ValueError,
+     ["strategy.state_dict_cfg: 'everything'", "'local'"]),
+    (dict(optim_wrapper=dict(type='DeepSpeedOptimWrapper')), ValueError,
+     ["optim_wrapper.type='DeepSpeedOptimWrapper'", 'DeepSpeedStrategy']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', zero_optimization=dict(stage=4))), ValueError,
+     ['strategy.zero_optimization.stage: 4']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', zero_optimization=dict(stage=3, foo=1))),
+     TypeError, ["strategy.zero_optimization: unknown key 'foo'"]),
+    (dict(strategy=dict(type='DeepSpeedStrategy', zero_optimization=dict(
+        stage=3, offload_param=dict(device='nvme')))), ValueError,
+     ["strategy.zero_optimization.offload_param.device='nvme'"]),
+    (dict(strategy=dict(type='DeepSpeedStrategy', fp16=dict(enabled=True),
+                        bf16=dict(enabled=True))), ValueError, ['fp16 and strategy.bf16']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', fp16=dict(
+        enabled=True, fp16_master_weights_and_grads=True))), ValueError,
+     ['strategy.fp16.fp16_master_weights_and_grads=True']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', inputs_to_half=['inputs'])), ValueError,
+     ['strategy.inputs_to_half=']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', gradient_clipping=1.0),
+          optim_wrapper=dict(type='DeepSpeedOptimWrapper', clip_grad=dict(max_norm=1.0))),
+     ValueError, ['strategy.gradient_clipping and optim_wrapper.clip_grad']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', train_micro_batch_size_per_gpu=8),
+          train_dataloader=dict(batch_size=4)), ValueError,
+     ['train_micro_batch_size_per_gpu=8', 'batch_size=4']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', config='ds.json')), ValueError,
+     ["strategy.config='ds.json'"]),
+    (dict(strategy=dict(type='DeepSpeedStrategy'), optim_wrapper=dict(type='OptimWrapper')),
+     ValueError, ["optim_wrapper.type='OptimWrapper'", 'DeepSpeedOptimWrapper']),
+])
+def test_refused_at_start_up_naming_the_key(cfg, error, words):
+    with pytest.raises(error) as e:
+        translate_strategy(cfg)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_a_translated_key_mmfsdp_refuses_names_both(tmp_path):
+    cfg = runner_config('refused', str(tmp_path), batch_size=4)
+    cfg.update(runner_type='mmfsdp.FSDPRunner', strategy=dict(
+        type='FSDPStrategy', model_wrapper=dict(limit_all_gathers=True)))
+    with pytest.raises(TypeError) as e:
+        FSDPRunner.from_cfg(Config(cfg))
+    assert "'limit_all_gathers' is an FSDP1 option" in str(e.value)
+    assert 'strategy.model_wrapper.limit_all_gathers → model_wrapper_cfg.limit_all_gathers' in \
+        ''.join(e.value.__notes__)
+
+
+def test_one_process_runner_builds_the_translated_optim_wrapper(tmp_path):
+    cfg = runner_config('ds-one', str(tmp_path), batch_size=4, launcher='none', max_iters=2)
+    cfg.update(runner_type='mmfsdp.FSDPRunner', log_level='INFO', strategy=MMPRETRAIN_DS,
+               optim_wrapper=dict(type='DeepSpeedOptimWrapper', optimizer=dict(type='SGD', lr=0.1),
+                                  constructor='DecayByDepth',
+                                  paramwise_cfg=dict(layer_decay_rate=0.5)))
+    runner = FSDPRunner.from_cfg(Config(cfg))
+    runner.train()
+    assert type(runner.optim_wrapper) is AmpOptimWrapper
+    assert runner.optim_wrapper.loss_scaler.get_scale() == 2.0**15
+    lrs = sorted({g['lr'] for g in runner.optim_wrapper.optimizer.param_groups})
+    assert lrs == pytest.approx([0.1 * 0.5**3, 0.1 * 0.5**2, 0.1 * 0.5, 0.1])
+    log = next(tmp_path.glob('*/*.log')).read_text()
+    assert log.count("runs as mmfsdp's keys") == 1
+    assert 'strategy.zero_optimization.overlap_comm=True → nothing to set' in log
