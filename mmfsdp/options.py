@@ -8,7 +8,7 @@ wrapper takes is resolved beside that wrapper's config (:mod:`mmfsdp.wrappers`).
 """
 import difflib
 import enum
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Iterable, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 from torch import nn
@@ -16,12 +16,10 @@ from torch.distributed.fsdp import MixedPrecision
 
 from .compat import BATCH_NORM_BASE, fsdp1_fp32_classes
 
-__all__ = [
-    'Accumulation', 'FP32_MODULES_DEFAULT', 'Fp32Modules', 'check_fp32_modules', 'check_keys',
-    'computes_in_low_precision', 'move_fp32_modules', 'option_dict', 'resolve_accumulation',
-    'resolve_dtype', 'resolve_dtypes_and_flags', 'resolve_enum', 'resolve_flag',
-    'resolve_init_device', 'split_fp32_modules', 'suggest', 'wrapper_options'
-]
+__all__ = ['Accumulation', 'FP32_MODULES_DEFAULT', 'check_fp32_modules', 'check_keys',
+           'move_fp32_modules', 'one_or_many', 'option_dict', 'resolve_dtype',
+           'resolve_dtypes_and_flags', 'resolve_enum', 'resolve_flag', 'resolve_init_device',
+           'suggest']
 
 E = TypeVar('E', bound=enum.Enum)
 
@@ -32,15 +30,11 @@ _DTYPES = {
 }
 
 
-def wrapper_options(cfg: Mapping[str, Any]) -> dict:
-    """The wrapper's keywords in a ``model_wrapper_cfg``: all keys but ``type`` and ``_scope_``."""
-    return {k: v for k, v in cfg.items() if k not in ('type', '_scope_')}
-
-
 def suggest(value: Any, choices: Iterable[str]) -> str:
-    """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``''``."""
-    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ''
+    """Return ``" (did you mean 'x'?)"`` for the closest choice (any case), or ``''``."""
+    by_lower = {str(c).lower(): c for c in choices}
+    close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ''
 
 
 def _choices(names: Iterable[str]) -> str:
@@ -49,6 +43,11 @@ def _choices(names: Iterable[str]) -> str:
 
 def _got(value: Any) -> str:
     return f'got {type(value).__name__} {value!r}'
+
+
+def one_or_many(value: Any) -> Tuple[Any, ...]:
+    """A class or name given alone, or a list of them, as a tuple."""
+    return (value, ) if isinstance(value, (str, type)) else tuple(value)
 
 
 def check_keys(given: Mapping[str, Any], valid: Iterable[str], key: str) -> None:
@@ -80,29 +79,28 @@ def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[to
         raise TypeError(f'{key}: expected a dtype name or torch.dtype, {_got(value)}')
     dtype = _DTYPES.get(value.lower())
     if dtype is None:
-        raise ValueError(f'{key}: {value!r} is not a dtype{suggest(value.lower(), _DTYPES)}; '
+        raise ValueError(f'{key}: {value!r} is not a dtype{suggest(value, _DTYPES)}; '
                          f'valid choices are {_choices(_DTYPES)} or a torch.dtype')
     return dtype
 
 
-def resolve_enum(value: Union[str, E],
-                 enum_cls: Type[E],
-                 key: str,
+def resolve_enum(value: Union[str, E], enum_cls: Type[E], key: str,
                  aliases: Optional[Mapping[str, E]] = None) -> E:
-    """A member of ``enum_cls`` by name, case-insensitively; ``aliases`` adds lower-case names."""
+    """A member of ``enum_cls`` by name (by value for string-valued enums), in any case.
+
+    ``aliases`` adds names of its own (``'pre'`` for ``BACKWARD_PRE``).
+    """
     if isinstance(value, enum_cls):
         return value
-    aliases = dict(aliases or {})
-    names = list(aliases) + [m.name for m in enum_cls]
+    choices = {**(aliases or {}), **{m.value if isinstance(m.value, str) else m.name: m
+                                     for m in enum_cls}}
     if not isinstance(value, str):
-        raise TypeError(f'{key}: expected one of {_choices(names)} or a '
+        raise TypeError(f'{key}: expected one of {_choices(choices)} or a '
                         f'{enum_cls.__name__}, {_got(value)}')
-    if value.lower() in aliases:
-        return aliases[value.lower()]
-    member = enum_cls.__members__.get(value.upper())
+    member = {name.lower(): m for name, m in choices.items()}.get(value.lower())
     if member is None:
-        raise ValueError(f'{key}: {value!r} is not valid{suggest(value.upper(), names)}; '
-                         f'valid choices are {_choices(names)}')
+        raise ValueError(f'{key}: {value!r} is not valid{suggest(value, choices)}; '
+                         f'valid choices are {_choices(choices)}')
     return member
 
 
@@ -115,8 +113,12 @@ def resolve_flag(value: Any, key: str) -> bool:
 
 def resolve_dtypes_and_flags(value: Mapping[str, Any], dtypes: Tuple[str, ...],
                              flags: Tuple[str, ...], key: str) -> dict:
-    """Resolve a dict whose keys are dtype options or ``bool`` options (mixed precision)."""
-    check_keys(value, dtypes + flags, key)
+    """Resolve a dict whose keys are dtype options or ``bool`` options (mixed precision).
+
+    ``fp32_modules`` is accepted in the check (it is moved out before, by
+    :func:`move_fp32_modules`), so that a typo of it is pointed at it.
+    """
+    check_keys(value, dtypes + flags + ('fp32_modules', ), key)
     return {name: resolve_dtype(item, f'{key}.{name}') if name in dtypes else
             resolve_flag(item, f'{key}.{name}') for name, item in value.items()}
 
@@ -136,83 +138,6 @@ class Accumulation(enum.Enum):
     HYBRID = 'hybrid'
 
 
-def resolve_accumulation(value: Union[str, Accumulation]) -> Accumulation:
-    """``accumulation``: ``'sharded' | 'unsharded' | 'hybrid'`` (any case) or an Accumulation."""
-    if isinstance(value, Accumulation):
-        return value
-    if not isinstance(value, str):
-        raise TypeError("model_wrapper_cfg.accumulation: expected 'sharded', 'unsharded' or "
-                        f"'hybrid', {_got(value)}")
-    try:
-        return Accumulation(value.lower())
-    except ValueError:
-        raise ValueError(f'model_wrapper_cfg.accumulation: {value!r} is not valid'
-                         f'{suggest(value.lower(), [m.value for m in Accumulation])}; valid '
-                         "choices are 'sharded' (reduce-scatter every micro-step; gradients stay "
-                         "sharded), 'unsharded' (no_sync: full gradients until the last "
-                         "micro-step) and 'hybrid' (hybrid sharding: reduce-scatter every "
-                         'micro-step, all-reduce across replicas on the last)') from None
-
-
-# ---- modules kept in fp32 under mixed precision (FSDP1 and FSDP2) ---------------------
-
-#: ``mixed_precision.fp32_modules`` when not given: every batch norm (``SyncBatchNorm``
-#: included), as FSDP1's ``MixedPrecision._module_classes_to_ignore``.
-FP32_MODULES_DEFAULT: Tuple[Type[nn.Module], ...] = (BATCH_NORM_BASE, )
-_FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
-
-Fp32Modules = Tuple[Union[str, Type[nn.Module]], ...]
-
-
-def split_fp32_modules(value: Any) -> Tuple[Any, Dict[str, Any]]:
-    """``(mixed_precision without fp32_modules, {'fp32_modules': ...} if it gives one)``.
-
-    An FSDP1 ``MixedPrecision`` object gives its ``_module_classes_to_ignore``.
-    """
-    if isinstance(value, Mapping) and 'fp32_modules' in value:
-        return ({k: v for k, v in value.items() if k != 'fp32_modules'},
-                dict(fp32_modules=value['fp32_modules']))
-    if isinstance(value, MixedPrecision):
-        return value, dict(fp32_modules=fsdp1_fp32_classes(value))
-    return value, {}
-
-
-def move_fp32_modules(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Move ``mixed_precision.fp32_modules`` to the config's own ``fp32_modules`` field."""
-    if 'fp32_modules' in cfg:
-        raise TypeError("model_wrapper_cfg: 'fp32_modules' is a key of mixed_precision: "
-                        "write mixed_precision=dict(param_dtype=..., fp32_modules=[...])")
-    if 'mixed_precision' in cfg:
-        cfg['mixed_precision'], fp32 = split_fp32_modules(cfg['mixed_precision'])
-        cfg.update(fp32)
-    return cfg
-
-
-def check_fp32_modules(value: Any) -> Fp32Modules:
-    """``fp32_modules`` without the model: class names and/or ``nn.Module`` classes.
-
-    ``[]`` keeps no module in fp32; ``None`` is refused (it would read as both
-    "the default" and "off").
-    """
-    if value is None:
-        raise TypeError(f'{_FP32_KEY}: None is ambiguous; leave the key out for the default '
-                        '(every _BatchNorm), or give [] to keep no module in fp32')
-    items = (value, ) if isinstance(value, (str, type)) else value
-    if not isinstance(items, (list, tuple)):
-        raise TypeError(f'{_FP32_KEY}: expected a list of module class names or classes, '
-                        f'{_got(value)}')
-    for item in items:
-        if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
-            raise TypeError(f'{_FP32_KEY}: expected module class names (e.g. \'GroupNorm\') '
-                            f'or nn.Module classes, got {type(item).__name__} {item!r}')
-    return tuple(items)
-
-
-def computes_in_low_precision(param_dtype: Optional[torch.dtype]) -> bool:
-    """Whether mixed precision computes below fp32, so that ``fp32_modules`` take effect."""
-    return param_dtype is not None and param_dtype.itemsize < 4
-
-
 def resolve_init_device(value: Optional[str]) -> Optional[str]:
     """``init_device``: ``None`` (build the model on its device) or ``'meta'``."""
     if value is None or value == 'meta':
@@ -221,3 +146,47 @@ def resolve_init_device(value: Optional[str]) -> Optional[str]:
                      f'{value!r} is not supported{suggest(value, ["meta"])}; '
                      "valid choices are None (build the full model, then shard) and 'meta' "
                      '(build on the meta device, shard, then materialise each shard)')
+
+
+# ---- modules kept in fp32 under mixed precision (FSDP1 and FSDP2) ---------------------
+
+#: ``mixed_precision.fp32_modules`` when not given: every batch norm (``SyncBatchNorm``
+#: included), as FSDP1's ``MixedPrecision._module_classes_to_ignore``.
+FP32_MODULES_DEFAULT: Tuple[Type[nn.Module], ...] = (BATCH_NORM_BASE, )
+FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
+
+
+def move_fp32_modules(cfg: Mapping[str, Any]) -> dict:
+    """A copy of ``cfg`` with ``mixed_precision.fp32_modules`` as its own ``fp32_modules`` key.
+
+    An FSDP1 ``MixedPrecision`` object gives its ``_module_classes_to_ignore``.
+    """
+    if 'fp32_modules' in cfg:
+        raise TypeError("model_wrapper_cfg: 'fp32_modules' is a key of mixed_precision: "
+                        "write mixed_precision=dict(param_dtype=..., fp32_modules=[...])")
+    cfg, mp = dict(cfg), cfg.get('mixed_precision')
+    if isinstance(mp, Mapping) and 'fp32_modules' in mp:
+        cfg['mixed_precision'] = {k: v for k, v in mp.items() if k != 'fp32_modules'}
+        cfg['fp32_modules'] = mp['fp32_modules']
+    elif isinstance(mp, MixedPrecision):
+        cfg['fp32_modules'] = fsdp1_fp32_classes(mp)
+    return cfg
+
+
+def check_fp32_modules(value: Any) -> Tuple[Any, ...]:
+    """``fp32_modules`` without the model: class names and/or ``nn.Module`` classes.
+
+    ``[]`` keeps no module in fp32; ``None`` is refused (it would read as both
+    "the default" and "off").
+    """
+    if value is None:
+        raise TypeError(f'{FP32_KEY}: None is ambiguous; leave the key out for the default '
+                        '(every _BatchNorm), or give [] to keep no module in fp32')
+    if not isinstance(value, (str, type, list, tuple)):
+        raise TypeError(f'{FP32_KEY}: expected a list of module class names or classes, '
+                        f'{_got(value)}')
+    for item in one_or_many(value):
+        if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
+            raise TypeError(f'{FP32_KEY}: expected module class names (e.g. \'GroupNorm\') '
+                            f'or nn.Module classes, got {type(item).__name__} {item!r}')
+    return one_or_many(value)

@@ -28,8 +28,7 @@ Users register their own predicate, whose extra arguments become config keys::
 
 FSDP2's units are merged where a parameter is shared by two of them
 (:func:`mmfsdp.wrappers.fsdp2.merge_units_sharing_parameters`). What is done to layers
-before sharding (activation checkpointing, regional compile) is
-:mod:`mmfsdp.layers`.
+before sharding is :mod:`mmfsdp.checkpointing` and :mod:`mmfsdp.compile`.
 """
 import difflib
 import functools
@@ -38,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, Un
 
 from torch import nn
 
-from .options import suggest
+from .options import one_or_many, suggest
 from .registry import FSDP_WRAP_POLICIES
 
 __all__ = ['ModelIndex', 'WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units',
@@ -99,7 +98,7 @@ class ModelIndex:
         name is a ``ValueError`` with the nearest names.
         """
         classes = []
-        for item in (value, ) if isinstance(value, (str, type)) else tuple(value or ()):
+        for item in one_or_many(value or ()):
             if isinstance(item, type) and issubclass(item, nn.Module):
                 classes.append(item)
             elif isinstance(item, str) and item in self.classes:
@@ -113,11 +112,6 @@ class ModelIndex:
             else:
                 raise TypeError(f'{key}: expected nn.Module classes or class names, got {item!r}')
         return tuple(classes)
-
-    def named(self, classes: Tuple[type, ...]) -> List[str]:
-        """The names of the modules that are instances of ``classes``."""
-        return [name for name, m in self.modules.items() if isinstance(m, classes)] if classes \
-            else []
 
 
 #: A built policy: ``(module, recurse, nonwrapped_numel) -> bool``.

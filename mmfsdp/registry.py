@@ -5,15 +5,26 @@ A config names our classes ``'mmfsdp.<Name>'`` and mmengine's stock code paths
 The registries that hold nothing of ours exist so that a dict built in the
 ``mmfsdp`` scope finds mmengine's classes without a warning. ``FSDP_WRAP_POLICIES``
 (no parent) holds the policies of ``auto_wrap_policy=dict(type=...)``.
+
+:func:`load_config` loads a config file the way mmfsdp's tools do:
+``mmengine.config.Config.fromfile`` plus one thing. mmengine 0.10.7 resolves
+``_base_ = ['mmfsdp::...']`` (the lookup :func:`register_config_package` serves)
+with ``pkg_resources``, which it imports and reloads for every such base;
+setuptools warns "pkg_resources is deprecated" on each, twice per process. The
+lookup works, the warning is about mmengine's code, and the user cannot act on
+it, so it is silenced for this call only, and only where mmengine's lookup raises it.
 """
+import warnings
+
 from mmengine import registry as mmengine_registry
+from mmengine.config import Config
 from mmengine.registry import Registry
 
 from .compat import register_config_package as register_package
 
 __all__ = [
     'DATASETS', 'FSDP_WRAP_POLICIES', 'HOOKS', 'METRICS', 'MODELS',
-    'MODEL_WRAPPERS', 'OPTIM_WRAPPERS', 'RUNNERS'
+    'MODEL_WRAPPERS', 'OPTIM_WRAPPERS', 'RUNNERS', 'load_config', 'register_config_package'
 ]
 
 SCOPE = 'mmfsdp'
@@ -61,3 +72,16 @@ def register_config_package() -> None:
 
 
 register_config_package()
+
+
+#: Where mmengine's ``pkg::`` lookup imports (``package_utils``) and reloads
+#: (``importlib``) ``pkg_resources``; a warning from anywhere else is shown.
+_PKG_RESOURCES_IMPORTERS = r'(mmengine\.utils\.package_utils|importlib)$'
+
+
+def load_config(path: str) -> Config:
+    """``Config.fromfile(path)`` without mmengine's ``pkg_resources`` deprecation warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='pkg_resources is deprecated as an API',
+                                category=UserWarning, module=_PKG_RESOURCES_IMPORTERS)
+        return Config.fromfile(path)

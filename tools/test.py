@@ -17,7 +17,7 @@ from mmengine.runner import Runner
 
 # Importing mmfsdp fills its registries (models, datasets, wrappers, runner).
 import mmfsdp  # noqa: F401
-from mmfsdp.config import load_config
+from mmfsdp.registry import load_config
 from mmfsdp.tta import tta_config
 
 

@@ -18,7 +18,7 @@ from mmengine.runner import Runner
 
 # Importing mmfsdp fills its registries (models, datasets, wrappers, runner).
 import mmfsdp  # noqa: F401
-from mmfsdp.config import load_config
+from mmfsdp.registry import load_config
 
 AMP_OPTIM_WRAPPER = 'mmfsdp.AmpOptimWrapper'
 

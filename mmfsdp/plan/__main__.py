@@ -18,12 +18,12 @@ from torch import nn
 
 import mmfsdp  # noqa: F401  (fills the registries)
 
-from ..config import load_config
+from ..checkpointing import AC_KEY, ActivationCheckpointing
 from ..dist import current_device
 from ..ema import configures_ema
-from ..layers import AC_KEY, ActivationCheckpointing
 from ..meta_init import empty_weights
 from ..policies import ModelIndex
+from ..registry import load_config
 from ..runner import revert_sync_bn
 from ..wrappers.base import Layout
 from ..wrappers.builder import model_wrapper_config, resolve_wrapper

@@ -126,7 +126,7 @@ class Plan:
             params = min(every, 2 * largest.gathered_bytes + -(-others // kept))
         elif self.spec.keep_gathered_until_backward:
             params = every
-        elif self.spec.shard_params or self.spec.gathers_unsharded:
+        elif self.spec.shard_size > 1 or self.spec.gathers_unsharded:
             params = 2 * largest.gathered_bytes
         else:
             return 0
@@ -176,8 +176,7 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     holds full gradients between micro-steps. ``reduce_dtype``: the dtype
     gradients are reduced in under mixed precision (``None``: as computed).
     """
-    grads_sharded = spec.shard_grads and not (accumulative_counts > 1
-                                              and spec.unsharded_accumulation)
+    grads_sharded = not (accumulative_counts > 1 and spec.unsharded_accumulation)
     grouped = _unit_params(model, spec.units)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     units = []
@@ -189,9 +188,9 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
         compute_bytes = (torch.empty((), dtype=spec.compute_dtype).element_size()
                          if spec.compute_dtype and name not in spec.fp32_units else dtype_bytes)
         numel = sum(p.numel() for p in params)
-        param_numel = _shard_numel(params, spec, spec.shard_params)
+        param_numel = _shard_numel(params, spec, True)
         grad_numel = _shard_numel(params, spec, grads_sharded)
-        optim_numel = _shard_numel(params, spec, spec.shard_optimizer)
+        optim_numel = _shard_numel(params, spec, True)
         module = model.get_submodule(name) if name else model
         # Modules kept in fp32 reduce in fp32 too; the others in reduce_dtype when one is set.
         reduce_bytes = (torch.empty((), dtype=reduce_dtype).element_size()

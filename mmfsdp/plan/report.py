@@ -39,7 +39,7 @@ def plan_warnings(plan: Plan) -> List[str]:
     """Policy mistakes worth a warning, each saying which knob to turn."""
     warnings = []
     sharded_units = len(plan.units) - 1
-    if plan.spec.shard_params and plan.numel and plan.root.numel > ROOT_SHARE_LIMIT * plan.numel:
+    if plan.spec.shard_size > 1 and plan.numel and plan.root.numel > ROOT_SHARE_LIMIT * plan.numel:
         warnings.append(
             f'the root unit keeps {plan.root.numel / plan.numel:.0%} of the parameters, so each '
             f'forward gathers them all at once: wrap the large layers in their own units '

@@ -53,8 +53,7 @@ class StepPeak:
         the reduce dtype (fp32 under ``param_dtype='bf16', reduce_dtype='fp32'``).
         """
         spec = self.plan.spec
-        if (self.heap_threshold is None or spec.shard_size == 1
-                or not (spec.shard_params or spec.shard_grads)):
+        if self.heap_threshold is None or spec.shard_size == 1:
             return 0
         return max(self.plan.largest_unit.gathered_bytes, self.plan.reduced_in_flight_bytes)
 

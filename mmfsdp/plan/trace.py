@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from ..checkpointing import ActivationCheckpointing, apply_activation_checkpointing_to
 from ..compat import TorchDispatchMode, fake_tensor_mode, replace_registered, storage_key
-from ..layers import ActivationCheckpointing, apply_activation_checkpointing_to
 from ..wrappers.fsdp2 import compute_in_fp32
 
 __all__ = ['StepTrace', 'trace_step']

@@ -5,6 +5,8 @@
   cut once into units. The runner computes both and hands them to every consumer.
 - :class:`ShardingSpec`: what a wrapper will do with a model, without doing
   it; the input of the memory plan and of the ranks' agreement.
+- :func:`prepare_layers`: what is done to layers before sharding (checkpoint,
+  then compile), the same for every wrapper.
 - :class:`ParallelWrapper`: the one base class: mmengine's ``train_step`` /
   ``val_step`` / ``test_step`` through the wrapper's forward (FSDP gathers
   there), ``no_sync`` as ``accumulation`` says, clipping by the global norm.
@@ -17,50 +19,48 @@
 import contextlib
 import dataclasses
 import enum
+import logging
 from dataclasses import dataclass, fields
-from typing import (
-    Any,
-    Callable,
-    ClassVar,
-    Dict,
-    Iterator,
-    List,
-    Mapping,
-    Optional,
-    Set,
-    Tuple,
-    Type,
-    Union,
-)
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, Type
 
 import torch
+from mmengine.logging import print_log
 from mmengine.model import BaseModel
 from mmengine.model.utils import detect_anomalous_params
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..compat import dcp_drops_names
-from ..dist import current_device
-from ..layers import (
+from ..checkpointing import (
     AC_KEY,
-    COMPILE_KEY,
     ActivationCheckpointing,
-    RegionalCompile,
-    check_layer_options,
-    layer_classes,
+    apply_activation_checkpointing_to,
     resolve_activation_checkpointing,
-    resolve_regional_compile,
 )
+from ..compat import checkpoint_inner, dcp_drops_names, set_activation_memory_budget
+from ..compile import COMPILE_KEY, RegionalCompile, resolve_regional_compile
+from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
-from ..options import Accumulation, check_keys, computes_in_low_precision, move_fp32_modules
+from ..options import (
+    FP32_KEY,
+    FP32_MODULES_DEFAULT,
+    Accumulation,
+    check_fp32_modules,
+    check_keys,
+    move_fp32_modules,
+    resolve_enum,
+    resolve_flag,
+    resolve_init_device,
+)
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
 
-__all__ = ['Construction', 'Layout', 'ModelHolder', 'Padding', 'ParallelWrapper', 'STEPS',
-           'ShardingSpec', 'WrapperConfig', 'is_parallel_wrapper', 'own_steps',
-           'refuse_keyword_build', 'units_children_first']
+__all__ = ['Construction', 'Layout', 'MeshSpec', 'ModelHolder', 'NODE', 'Padding',
+           'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig', 'is_parallel_wrapper',
+           'own_steps', 'prepare_layers', 'refuse_keyword_build', 'units_children_first']
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
-_FP32_KEY = 'model_wrapper_cfg.mixed_precision.fp32_modules'
+#: ``mesh`` value meaning "the processes of one node" (torchrun's ``LOCAL_WORLD_SIZE``).
+NODE = 'node'
 
 
 def own_steps(module: nn.Module) -> List[str]:
@@ -96,6 +96,57 @@ def separate_roots(module: nn.Module, wrapper: str, trainable_only: bool = False
     return roots
 
 
+@dataclass(frozen=True)
+class MeshSpec:
+    """The data-parallel mesh: ``replicate`` groups of ``shard`` ranks (``-1``: the rest).
+
+    ::
+
+        model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', mesh=dict(replicate=2, shard='node'))
+    """
+
+    replicate: int = 1
+    shard: Any = -1
+
+    def sizes(self, world_size: int, local_world_size: Optional[int] = None) -> Tuple[int, int]:
+        """``(replicate, shard)`` for ``world_size`` ranks; ``ValueError`` if they do not fit.
+
+        ``shard='node'`` is ``local_world_size`` ranks, at most the world.
+        """
+        replicate, shard = self.replicate, self.shard
+        if shard == NODE:
+            if local_world_size is None:
+                raise ValueError("model_wrapper_cfg.mesh.shard: "
+                                 "'node' needs LOCAL_WORLD_SIZE (set by torchrun); "
+                                 'give the shard group size as an int instead')
+            shard = min(local_world_size, world_size)
+            if world_size % shard:
+                raise ValueError(f'LOCAL_WORLD_SIZE: {shard} ranks per node do not divide the '
+                                 f'world size {world_size}; sharding within a node needs the '
+                                 'same number of ranks on every node')
+        if replicate == -1 and shard == -1:
+            raise ValueError('model_wrapper_cfg.mesh: replicate and shard cannot both be -1')
+        if replicate == -1:
+            replicate = world_size // shard if world_size % shard == 0 else 0
+        elif shard == -1:
+            shard = world_size // replicate if world_size % replicate == 0 else 0
+        if replicate * shard != world_size:
+            raise ValueError('model_wrapper_cfg.mesh: '
+                             f'replicate={self.replicate} x shard={self.shard} does not '
+                             f'match the world size {world_size}; replicate * shard must '
+                             'equal it (use -1 for "the rest")')
+        return replicate, shard
+
+    def build(self, device: torch.device, world_size: int, local: Optional[int],
+              hybrid: bool = False) -> DeviceMesh:
+        """A 1-D ``('shard',)`` mesh, or 2-D ``('replicate', 'shard')`` (``hybrid`` or R > 1)."""
+        replicate, shard = self.sizes(world_size, local)
+        if replicate == 1 and not hybrid:
+            return init_device_mesh(device.type, (shard, ), mesh_dim_names=('shard', ))
+        return init_device_mesh(device.type, (replicate, shard),
+                                mesh_dim_names=('replicate', 'shard'))
+
+
 class Padding(enum.Enum):
     """How a unit's parameters are split over the ranks of its shard group."""
 
@@ -123,7 +174,11 @@ class Construction(enum.Enum):
 
 @dataclass(frozen=True)
 class ShardingSpec:
-    """A wrapper's sharding of one model at one world size."""
+    """A wrapper's sharding of one model at one world size.
+
+    Parameters, gradients and optimizer states are split over ``shard_size``
+    ranks when it is above 1.
+    """
 
     #: The wrapper's registered name, e.g. ``'mmfsdp.MMFullyShardedDataParallel'``.
     wrapper: str
@@ -134,12 +189,8 @@ class ShardingSpec:
     #: Ranks that hold the same shard (the ``replicate`` mesh dim).
     replicate_size: int
     #: The units' module names, children before parents; the root is implied.
-    units: Tuple[str, ...]
-    padding: Padding
-    #: Whether parameters / gradients / optimizer states are split over ``shard_size``.
-    shard_params: bool
-    shard_grads: bool
-    shard_optimizer: bool
+    units: Tuple[str, ...] = ()
+    padding: Padding = Padding.NONE
     #: Whether gathered parameters stay unsharded from forward until backward
     #: (SHARD_GRAD_OP, ``reshard_after_forward=False``): adds them to the peak.
     keep_gathered_until_backward: bool = False
@@ -214,56 +265,110 @@ def units_children_first(units: Tuple[str, ...], extra: Tuple[str, ...]) -> Tupl
     return tuple(merged)
 
 
-#: The resolvers of the options every wrapper has (:mod:`mmfsdp.layers`).
-LAYER_RESOLVERS: Mapping[str, Callable[[Any], Any]] = dict(
-    activation_checkpointing=resolve_activation_checkpointing,
-    regional_compile=resolve_regional_compile)
+def outermost(model: nn.Module) -> Dict[int, nn.Module]:
+    """``id(layer) -> its checkpoint wrapper`` for every checkpointed layer of ``model``."""
+    return {id(checkpoint_inner(m)): m for m in model.modules() if checkpoint_inner(m) is not None}
 
 
+def prepare_layers(model: nn.Module, layout: Layout) -> None:
+    """Checkpoint, then compile, the layers ``layout`` names (before they are sharded).
+
+    A compiled layer that is checkpointed is compiled as its checkpoint
+    wrapper; a layer inside another compiled layer is compiled as part of it.
+    """
+    apply_activation_checkpointing_to(model, layout.checkpoint_layers, layout.checkpointing)
+    checkpointing = layout.checkpointing
+    if checkpointing is not None and not checkpointing.wraps_layers:
+        set_activation_memory_budget(checkpointing.memory_budget)
+        print_log(f'{AC_KEY}: torch.compile keeps at most {checkpointing.memory_budget:g} of the '
+                  'activations of the compiled layers (torch._functorch.config.'
+                  'activation_memory_budget, set for this process)', logger='current',
+                  level=logging.INFO)
+    outer, compiled = outermost(model), []
+    for name, module in model.named_modules():
+        if layout.compile_layers and isinstance(module, layout.compile_layers) and not any(
+                within(name, done) for done in compiled):
+            outer.get(id(module), module).compile(**layout.regional_compile.options)
+            compiled.append(name)
+
+
+def _flag_or_none(value: Any, key: str) -> Optional[bool]:
+    return None if value is None else resolve_flag(value, key)
+
+
+#: How a field is resolved from its annotation, when its config has no resolver for it.
+_BY_TYPE: Mapping[Any, Callable[[Any, str], Any]] = {bool: resolve_flag,
+                                                     Optional[bool]: _flag_or_none}
+
+
+@dataclass(frozen=True)
 class WrapperConfig:
-    """Base of the resolved wrapper configs (frozen dataclasses).
+    """Base of the resolved wrapper configs (frozen dataclasses): the options all share.
 
-    :meth:`from_dict` turns a ``model_wrapper_cfg`` into typed values through
-    :attr:`RESOLVERS` (one per option; model-dependent options stay as
-    written until :meth:`layout` checks them against the model).
+    :meth:`from_dict` turns a ``model_wrapper_cfg`` into typed values, one
+    field per option: through the config's :attr:`RESOLVERS`, else by the
+    field's type (``bool``, an enum); model-dependent options stay as written
+    until :meth:`layout` checks them against the model.
     """
 
-    #: ``option -> resolver`` (raising on bad input); options without one are kept as written.
+    #: Which submodules become their own unit (see :mod:`mmfsdp.policies`).
+    auto_wrap_policy: PolicyConfig = None
+    #: ``dict(layer_cls=[...], mode=...)``: layers whose activations are
+    #: recomputed in backward (:mod:`mmfsdp.checkpointing`).
+    activation_checkpointing: Optional[ActivationCheckpointing] = None
+    #: ``dict(layer_cls=[...], **torch.compile options)``: layers compiled one by
+    #: one (:mod:`mmfsdp.compile`).
+    regional_compile: Optional[RegionalCompile] = None
+    #: ``'meta'``: build on the meta device, never holding the full model.
+    init_device: Optional[str] = None
+    #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
+    #: local gradients until the last (:class:`~mmfsdp.options.Accumulation`).
+    accumulation: Accumulation = Accumulation.SHARDED
+    #: ``mixed_precision.fp32_modules``: module classes (or their names) that
+    #: compute in fp32 under a lower ``param_dtype``, each its own unit.
+    fp32_modules: Tuple[Any, ...] = FP32_MODULES_DEFAULT
+
+    #: ``option -> resolver`` (raising on bad input) of this config's own options.
     RESOLVERS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
     #: The wrapper's name in configs and errors.
     NAME: ClassVar[str] = ''
     #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
     trainable_roots_only: ClassVar[bool] = False
 
-    auto_wrap_policy: PolicyConfig = None
-    activation_checkpointing: Optional[ActivationCheckpointing] = None
-    regional_compile: Optional[RegionalCompile] = None
-    init_device: Optional[str] = None
-    accumulation: Accumulation = Accumulation.SHARDED
-    fp32_modules: Tuple[Any, ...] = ()
+    def __post_init__(self) -> None:
+        """Refuse a combination the options cannot honour together."""
+        checkpointing = self.activation_checkpointing
+        if checkpointing is not None and not checkpointing.wraps_layers and \
+                self.regional_compile is None:
+            raise ValueError(f"{AC_KEY}: mode='memory_budget' acts through torch.compile's "
+                             'partitioner and so needs compiled layers: add '
+                             f"{COMPILE_KEY}=dict(layer_cls=[...]), or use mode='full' / "
+                             "'selective' with layer_cls")
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> Any:
         """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
-        options = cls._translate(dict(cfg))
-        check_keys(options, [f.name for f in fields(cls)], 'model_wrapper_cfg')
-        resolvers = {**LAYER_RESOLVERS, **cls.RESOLVERS}
-        config = cls(**{name: resolvers.get(name, _as_is)(value)
-                        for name, value in options.items()})
-        check_layer_options(config.activation_checkpointing, config.regional_compile)
-        return config
-
-    @classmethod
-    def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
-        """Options written another way, as fields (``mixed_precision.fp32_modules``)."""
-        return move_fp32_modules(cfg)
+        options = move_fp32_modules(cfg)
+        types = {f.name: f.type for f in fields(cls)}
+        check_keys(options, types, 'model_wrapper_cfg')
+        resolvers = {**_RESOLVERS, **cls.RESOLVERS}
+        resolved = {}
+        for name, value in options.items():
+            key = f'model_wrapper_cfg.{name}'
+            if name in resolvers:
+                resolved[name] = resolvers[name](value)
+            elif isinstance(types[name], type) and issubclass(types[name], enum.Enum):
+                resolved[name] = resolve_enum(value, types[name], key)
+            else:
+                resolved[name] = _BY_TYPE.get(types[name], lambda v, _: v)(value, key)
+        return cls(**resolved)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
         """The dtype mixed precision computes in (``None``: the parameters' own)."""
-        return None
+        return getattr(getattr(self, 'mixed_precision', None), 'param_dtype', None)
 
-    def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
+    def layout(self, index: Any) -> Layout:
         """Check the model-dependent options against the model (or its index); cut it in units."""
         index = ModelIndex.of(index)
         module = index.model
@@ -278,23 +383,33 @@ class WrapperConfig:
         roots = None
         if own_steps(module):
             roots = tuple(separate_roots(module, self.NAME, self.trainable_roots_only))
-        classes = index.classes_of(self.fp32_modules, _FP32_KEY)  # names checked either way
-        kept = index.named(classes) if computes_in_low_precision(self.compute_dtype) else []
+        classes = index.classes_of(self.fp32_modules, FP32_KEY)  # names checked either way
+        low = self.compute_dtype is not None and self.compute_dtype.itemsize < 4
+        kept = [n for n, m in index.modules.items() if low and isinstance(m, classes)]
         fp32 = tuple(n for n in kept if not any(within(n, k) for k in kept if k != n))
         return Layout(policy=policy, units=units, roots=roots, fp32_modules=fp32,
                       **self._layers(index))
 
     def _layers(self, index: ModelIndex) -> Dict[str, Any]:
-        """The layout's checkpointed and compiled layers (:mod:`mmfsdp.layers`)."""
-        return dict(
-            checkpoint_layers=layer_classes(self.activation_checkpointing, index, AC_KEY),
-            checkpointing=self.activation_checkpointing,
-            compile_layers=layer_classes(self.regional_compile, index, COMPILE_KEY),
-            regional_compile=self.regional_compile)
+        """The layout's checkpointed and compiled layers, named in the model of ``index``."""
+        ac, compiled = self.activation_checkpointing, self.regional_compile
+        return dict(checkpointing=ac, regional_compile=compiled,
+                    checkpoint_layers=index.classes_of(ac and ac.layer_cls, f'{AC_KEY}.layer_cls'),
+                    compile_layers=index.classes_of(compiled and compiled.layer_cls,
+                                                    f'{COMPILE_KEY}.layer_cls'))
 
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
-        """How this config shards the model of ``layout`` over ``world_size`` ranks."""
-        raise NotImplementedError
+        """How this config shards the model of ``layout`` over ``world_size`` ranks.
+
+        Here: replicated on every rank (DDP); the sharded configs replace the
+        fields their sharding sets.
+        """
+        return ShardingSpec(
+            wrapper=self.NAME, strategy='REPLICATE', shard_size=1, replicate_size=world_size,
+            units=units_children_first(layout.units, layout.fp32_modules),
+            fp32_units=layout.fp32_modules, compute_dtype=self.compute_dtype,
+            checkpoint_layers=layout.checkpoint_layers,
+            unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
 
     def check_device(self, device: torch.device) -> None:
         """Raise on options the training device cannot honour."""
@@ -309,8 +424,11 @@ class WrapperConfig:
         return False
 
 
-def _as_is(value: Any) -> Any:
-    return value
+#: The resolvers of the options every wrapper config has.
+_RESOLVERS: Mapping[str, Callable[[Any], Any]] = dict(
+    activation_checkpointing=resolve_activation_checkpointing,
+    regional_compile=resolve_regional_compile,
+    init_device=resolve_init_device, fp32_modules=check_fp32_modules)
 
 
 def refuse_keyword_build(wrapper: type, config: Any, layout: Any, options: Mapping) -> None:
@@ -383,14 +501,15 @@ class ParallelWrapper(nn.Module):
 
     def val_step(self, data: Any) -> list:
         """Predictions for a validation batch (``mode='predict'``), or the model's own."""
-        if 'val_step' in own_steps(self.module):
-            return self.module.val_step(data)
-        return self._run_forward(self.module.data_preprocessor(data, training=False), 'predict')
+        return self._predict('val_step', data)
 
     def test_step(self, data: Any) -> list:
         """Predictions for a test batch (``mode='predict'``), or the model's own."""
-        if 'test_step' in own_steps(self.module):
-            return self.module.test_step(data)
+        return self._predict('test_step', data)
+
+    def _predict(self, step: str, data: Any) -> list:
+        if step in own_steps(self.module):
+            return getattr(self.module, step)(data)
         return self._run_forward(self.module.data_preprocessor(data, training=False), 'predict')
 
     def _run_forward(self, data: Any, mode: str) -> Any:
@@ -460,7 +579,7 @@ class ModelHolder(ParallelWrapper):
         return owner.named_buffers(prefix=prefix, recurse=recurse,
                                    remove_duplicate=remove_duplicate)
 
-    def named_modules(self, memo: Optional[Set[nn.Module]] = None, prefix: str = '',
+    def named_modules(self, memo: Optional[set] = None, prefix: str = '',
                       remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]:
         """The model's modules under the unwrapped model's names (the model itself is ``''``)."""
         return self.module.named_modules(memo=memo, prefix=prefix,

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from ..options import check_keys, suggest, wrapper_options
+from ..options import check_keys, suggest
 from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
 from ..strategies import translate_strategy
@@ -140,7 +140,7 @@ def resolve_wrapper(wrapper_cfg: Mapping[str, Any],
     key, the value and the choices; the same on every rank, before any collective.
     """
     cls = resolve_wrapper_type(wrapper_cfg, default_scope)
-    options = wrapper_options(wrapper_cfg)
+    options = {k: v for k, v in wrapper_cfg.items() if k not in ('type', '_scope_')}
     if is_parallel_wrapper(cls):
         return Wrapping(cls, options, cls.CONFIG.from_dict(options))
     params = inspect.signature(cls.__init__).parameters

@@ -8,20 +8,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpointing import resolve_activation_checkpointing
+from ..compile import resolve_regional_compile
 from ..dist import teardown_at_exit
-from ..layers import ActivationCheckpointing, RegionalCompile, check_layer_options, prepare_layers
 from ..options import check_keys
 from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
-from .base import (
-    LAYER_RESOLVERS,
-    Layout,
-    Padding,
-    ParallelWrapper,
-    ShardingSpec,
-    WrapperConfig,
-    own_steps,
-)
+from .base import Layout, ParallelWrapper, WrapperConfig, own_steps, prepare_layers
 
 __all__ = ['DDPConfig', 'MMDistributedDataParallel']
 
@@ -36,14 +29,13 @@ class DDPConfig(WrapperConfig):
 
     mmengine's defaults (``broadcast_buffers=False``, ``gradient_as_bucket_view``
     as torch's) and its ``detect_anomalous_params``; mmfsdp's
-    ``activation_checkpointing`` and ``regional_compile`` (:mod:`mmfsdp.layers`);
-    any other keyword of torch's ``DistributedDataParallel`` is passed on.
+    ``activation_checkpointing`` and ``regional_compile``; any other keyword
+    of torch's ``DistributedDataParallel`` is passed on. The sharded wrappers'
+    fields keep their defaults (no units, nothing kept in fp32).
     """
 
     #: Log parameters that took no part in the loss (mmengine's DDP option).
     detect_anomalous_params: bool = False
-    activation_checkpointing: Optional[ActivationCheckpointing] = None
-    regional_compile: Optional[RegionalCompile] = None
     #: Keyword arguments of torch's ``DistributedDataParallel``.
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -62,17 +54,17 @@ class DDPConfig(WrapperConfig):
         """
         valid = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
                  if n not in _DERIVED]
-        ours = ('detect_anomalous_params', *LAYER_RESOLVERS)
+        ours = ('detect_anomalous_params', 'activation_checkpointing', 'regional_compile')
         check_keys(cfg, valid + list(ours), 'model_wrapper_cfg')
         kwargs = {k: v for k, v in cfg.items() if k not in ours}
         if 'forward_sync_buffers' not in kwargs:
             kwargs['forward_sync_buffers'] = kwargs.get('broadcast_buffers') or False
         kwargs.pop('broadcast_buffers', None)
         kwargs.setdefault('gradient_as_bucket_view', True)  # no second copy of the gradients
-        layers = {k: resolve(cfg.get(k)) for k, resolve in LAYER_RESOLVERS.items()}
-        check_layer_options(layers['activation_checkpointing'], layers['regional_compile'])
         return cls(detect_anomalous_params=bool(cfg.get('detect_anomalous_params', False)),
-                   ddp_kwargs=kwargs, **layers)
+                   ddp_kwargs=kwargs, activation_checkpointing=resolve_activation_checkpointing(
+                       cfg.get('activation_checkpointing')),
+                   regional_compile=resolve_regional_compile(cfg.get('regional_compile')))
 
     def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
         """The checkpointed and compiled layers (no units); an own ``train_step`` is refused.
@@ -88,13 +80,6 @@ class DDPConfig(WrapperConfig):
                 "DataParallel') (mmengine's DDP per child, as mmagic configs do), or "
                 "'mmfsdp.MMFullyShard' / 'mmfsdp.MMFullyShardedDataParallel'")
         return Layout(**self._layers(index))
-
-    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
-        """Every rank holds everything."""
-        return ShardingSpec(
-            wrapper=NAME, strategy='REPLICATE', shard_size=1, replicate_size=world_size,
-            units=(), padding=Padding.NONE, shard_params=False, shard_grads=False,
-            shard_optimizer=False, checkpoint_layers=layout.checkpoint_layers)
 
 
 @MODEL_WRAPPERS.register_module()

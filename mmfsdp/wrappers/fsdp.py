@@ -11,7 +11,6 @@ from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple, Unio
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
@@ -22,75 +21,37 @@ from torch.distributed.fsdp import (
 
 from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync, with_fsdp1_fp32_classes
 from ..dist import current_device, local_world_size, teardown_at_exit
-from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
 from ..options import (
-    FP32_MODULES_DEFAULT,
     Accumulation,
-    Fp32Modules,
-    check_fp32_modules,
     option_dict,
-    resolve_accumulation,
     resolve_dtypes_and_flags,
     resolve_enum,
     resolve_flag,
-    resolve_init_device,
-    split_fp32_modules,
 )
-from ..policies import PolicyConfig
 from ..registry import MODEL_WRAPPERS
 from .base import (
+    NODE,
     Construction,
     Layout,
+    MeshSpec,
     ModelHolder,
     Padding,
     ParallelWrapper,
     ShardingSpec,
     WrapperConfig,
+    prepare_layers,
     refuse_keyword_build,
-    units_children_first,
 )
 
 __all__ = ['FSDPConfig', 'MMFullyShardedDataParallel', 'MMSeparateFullyShardedDataParallel',
-           'node_mesh_sizes', 'resolve_backward_prefetch', 'resolve_cpu_offload',
-           'resolve_mixed_precision', 'resolve_sharding_strategy']
+           'resolve_backward_prefetch', 'resolve_cpu_offload', 'resolve_mixed_precision']
 
 NAME = 'mmfsdp.MMFullyShardedDataParallel'
-
-
-def _flag(key: str) -> Any:
-    return lambda value: resolve_flag(value, key=f'model_wrapper_cfg.{key}')
-
-
-def node_mesh_sizes(world_size: int, local: Optional[int]) -> Tuple[int, int]:
-    """``(replicate, shard)`` for sharding within each node of ``local`` ranks (``None``: one)."""
-    shard = min(world_size, local or world_size)
-    if world_size % shard:
-        raise ValueError(f'LOCAL_WORLD_SIZE: {shard} ranks per node do not divide the world '
-                         f'size {world_size}; hybrid sharding needs the same number of ranks '
-                         'on every node')
-    return world_size // shard, shard
-
-
-def _hybrid_mesh(device: torch.device) -> DeviceMesh:
-    """FSDP1's hybrid strategies on a 2-D mesh: shard within a node, replicate across.
-
-    A mesh rather than FSDP1's own intra-node groups: the sharded state dicts
-    are then DTensors over the whole world, so a DCP save covers every rank
-    (torch #102904). Collective.
-    """
-    replicate, shard = node_mesh_sizes(dist.get_world_size(), local_world_size())
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))
-
-
+#: FSDP1's hybrid strategies: shard within a node, replicate across nodes.
+_HYBRID = MeshSpec(replicate=-1, shard=NODE)
 _FSDP1_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'buffer_dtype')
 _FSDP1_MP_FLAGS = ('keep_low_precision_grads', 'cast_forward_inputs', 'cast_root_forward_inputs')
-_MP_KEY = 'model_wrapper_cfg.mixed_precision'
-
-
-def resolve_sharding_strategy(value: Union[str, ShardingStrategy]) -> ShardingStrategy:
-    """``sharding_strategy``: any ``ShardingStrategy`` name, case-insensitive."""
-    return resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
 
 
 def resolve_backward_prefetch(
@@ -108,15 +69,14 @@ def resolve_mixed_precision(
     """``mixed_precision``: a dict of FSDP1 ``MixedPrecision`` fields, or one.
 
     ``mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')``;
-    its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
+    its ``fp32_modules`` key is moved out before (the config's ``fp32_modules``).
     """
     if value is None or isinstance(value, MixedPrecision):
         return value
-    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), _MP_KEY,
+    key = 'model_wrapper_cfg.mixed_precision'
+    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), key,
                 'a dict, a MixedPrecision or None')
-    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
-    return MixedPrecision(
-        **resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, _MP_KEY))
+    return MixedPrecision(**resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, key))
 
 
 def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:
@@ -137,19 +97,12 @@ class FSDPConfig(WrapperConfig):
 
     #: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD, HYBRID_SHARD, ...
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    #: Which submodules become their own unit (see :mod:`mmfsdp.policies`).
-    auto_wrap_policy: PolicyConfig = None
     #: When to fetch the next unit's parameters in backward.
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
     #: Compute / reduce / buffer dtypes; ``None`` trains in the parameters' dtype.
     mixed_precision: Optional[MixedPrecision] = None
     #: Keep sharded parameters and gradients on the CPU (accelerators only).
     cpu_offload: CPUOffload = field(default_factory=CPUOffload)
-    #: ``dict(layer_cls=[...], mode=...)``: layers whose activations are
-    #: recomputed in backward (:mod:`mmfsdp.layers`).
-    activation_checkpointing: Optional[ActivationCheckpointing] = None
-    #: ``dict(layer_cls=[...], **torch.compile options)``: layers compiled one by one.
-    regional_compile: Optional[RegionalCompile] = None
     #: Fetch the next unit's parameters during forward, ahead of its use.
     forward_prefetch: bool = False
     #: Bound the number of all-gathers in flight (caps memory on accelerators).
@@ -157,36 +110,22 @@ class FSDPConfig(WrapperConfig):
     #: Broadcast rank 0's weights at construction, unit by unit on the device.
     #: ``None``: FSDPRunner decides (on where it keeps the model on the CPU until wrapping).
     sync_module_states: Optional[bool] = None
-    #: ``'meta'``: build on the meta device, materialise on the CPU, then shard.
-    init_device: Optional[str] = None
-    #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
-    #: local gradients until the last (see :mod:`mmfsdp.options`).
-    accumulation: Accumulation = Accumulation.SHARDED
-    #: ``mixed_precision.fp32_modules``: module classes (or their names) that
-    #: compute in fp32 under a lower ``param_dtype``; FSDP1's
-    #: ``MixedPrecision._module_classes_to_ignore``, each instance its own unit.
-    fp32_modules: Fp32Modules = FP32_MODULES_DEFAULT
 
     NAME: ClassVar[str] = NAME
     trainable_roots_only: ClassVar[bool] = True
     RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
-        sharding_strategy=resolve_sharding_strategy,
-        backward_prefetch=resolve_backward_prefetch,
-        mixed_precision=resolve_mixed_precision,
-        cpu_offload=resolve_cpu_offload,
-        forward_prefetch=_flag('forward_prefetch'),
-        limit_all_gathers=_flag('limit_all_gathers'),
-        sync_module_states=lambda v: None if v is None else resolve_flag(
-            v, key='model_wrapper_cfg.sync_module_states'),
-        init_device=resolve_init_device,
-        accumulation=lambda value: _fsdp1_accumulation(resolve_accumulation(value)),
-        fp32_modules=check_fp32_modules,
-    )
+        backward_prefetch=resolve_backward_prefetch, mixed_precision=resolve_mixed_precision,
+        cpu_offload=resolve_cpu_offload)
 
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        """``mixed_precision.param_dtype``."""
-        return self.mixed_precision.param_dtype if self.mixed_precision else None
+    def __post_init__(self) -> None:
+        """FSDP1 has no switch that reduce-scatters without the all-reduce across replicas."""
+        super().__post_init__()
+        if self.accumulation is Accumulation.HYBRID:
+            raise ValueError("model_wrapper_cfg.accumulation='hybrid': torch's FSDP1 cannot "
+                             'reduce-scatter within a node while skipping the all-reduce across '
+                             "nodes (no_sync skips both); use type='mmfsdp.MMFullyShard' with "
+                             "mesh=dict(replicate=..., shard=...), or accumulation='unsharded' / "
+                             "'sharded'")
 
     @property
     def offloads_to_cpu(self) -> bool:
@@ -216,58 +155,36 @@ class FSDPConfig(WrapperConfig):
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
         """Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks (all, unset)."""
         strategy = self.sharding_strategy
-        shard = world_size
-        if strategy is ShardingStrategy.NO_SHARD:
-            shard = 1
-        elif self.hybrid:
-            shard = node_mesh_sizes(world_size, local_world_size())[1]
-        sharded = shard > 1
-        return ShardingSpec(
-            wrapper=NAME, strategy=strategy.name,
+        shard = 1 if strategy is ShardingStrategy.NO_SHARD else world_size
+        if self.hybrid:
+            shard = _HYBRID.sizes(world_size, local_world_size() or world_size)[1]
+        return replace(
+            super().sharding_spec(layout, world_size), strategy=strategy.name,
             shard_size=shard, replicate_size=world_size // shard,
-            units=units_children_first(layout.units, layout.fp32_modules),
-            fp32_units=layout.fp32_modules,
-            padding=Padding.FLAT if sharded else Padding.NONE,
-            shard_params=sharded, shard_grads=sharded, shard_optimizer=sharded,
-            keep_gathered_until_backward=sharded and strategy in (
+            padding=Padding.FLAT if shard > 1 else Padding.NONE,
+            keep_gathered_until_backward=shard > 1 and strategy in (
                 ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
-            compute_dtype=self.compute_dtype,
-            construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True,
-            checkpoint_layers=layout.checkpoint_layers,
-            unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
-
-
-def _planned_policy(module: nn.Module, units: Tuple[str, ...]) -> Any:
-    """FSDP1's ``auto_wrap_policy`` that wraps exactly the planned units (no second walk)."""
-    ids = frozenset(id(module.get_submodule(name)) for name in units)
-    return lambda module, recurse, nonwrapped_numel: recurse or id(module) in ids
-
-
-def _fsdp1_accumulation(value: Accumulation) -> Accumulation:
-    """FSDP1 has no switch that reduce-scatters without the all-reduce across replicas."""
-    if value is Accumulation.HYBRID:
-        raise ValueError("model_wrapper_cfg.accumulation='hybrid': torch's FSDP1 cannot "
-                         'reduce-scatter within a node while skipping the all-reduce across '
-                         "nodes (no_sync skips both); use type='mmfsdp.MMFullyShard' with "
-                         "mesh=dict(replicate=..., shard=...), or accumulation='unsharded' / "
-                         "'sharded'")
-    return value
+            construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True)
 
 
 def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[MixedPrecision]
                   ) -> Tuple[Optional[MixedPrecision], Any]:
-    """FSDP1's mixed precision and auto-wrap policy that keep ``layout.fp32_modules`` in fp32.
+    """FSDP1's mixed precision and an ``auto_wrap_policy`` that wraps exactly the planned units.
 
-    FSDP1 keeps ``_module_classes_to_ignore`` in full precision only through an
-    ``auto_wrap_policy`` (it wraps each instance separately); without units a
-    policy that wraps nothing else is given, so that it still does.
+    FSDP1 keeps ``_module_classes_to_ignore`` (here ``layout.fp32_modules``) in
+    full precision only through an ``auto_wrap_policy`` (it wraps each instance
+    separately); without units a policy that wraps nothing else is given, so
+    that it still does.
     """
-    policy = _planned_policy(module, layout.units) if layout.units else None
-    if mixed_precision is None:
-        return None, policy
     classes = tuple(dict.fromkeys(type(module.get_submodule(n)) for n in layout.fp32_modules))
-    mixed_precision = with_fsdp1_fp32_classes(mixed_precision, classes)
-    return mixed_precision, policy or (_planned_policy(module, ()) if classes else None)
+    if mixed_precision is not None:
+        mixed_precision = with_fsdp1_fp32_classes(mixed_precision, classes)
+    ids = frozenset(id(module.get_submodule(name)) for name in layout.units)
+
+    def planned(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or id(module) in ids
+
+    return mixed_precision, planned if layout.units or classes else None
 
 
 @MODEL_WRAPPERS.register_module()
@@ -316,6 +233,7 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
                              'MMFullyShardedDataParallel.wrap (FSDPRunner does) so that each '
                              'child is an FSDP1 root of its own')
         on_meta = check_meta_model(module, cfg.init_device, 'before sharding')
+        world = dist.get_world_size()
         if on_meta:
             # On the CPU, then to the device unit by unit: FSDP1 flattens whole
             # tensors, so shape-dependent initialisers need them unsharded.
@@ -330,7 +248,10 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
             mixed_precision=mixed_precision,
             cpu_offload=cfg.cpu_offload,
             device_id=device,
-            device_mesh=_hybrid_mesh(device) if cfg.hybrid else None,
+            # A mesh rather than FSDP1's own intra-node groups: the sharded state dicts are
+            # then DTensors over the whole world, so a DCP save covers every rank (#102904).
+            device_mesh=_HYBRID.build(device, world, local_world_size() or world, hybrid=True)
+            if cfg.hybrid else None,
             forward_prefetch=cfg.forward_prefetch,
             limit_all_gathers=cfg.limit_all_gathers,
             # FSDP1 broadcasts only tensors on an accelerator; on the CPU materialize() did

@@ -7,6 +7,7 @@ translated, and FSDP1-only options are refused with their FSDP2 form.
 """
 import functools
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from mmengine.logging import print_log
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecision,
@@ -25,42 +26,38 @@ from torch.distributed.fsdp import (
 )
 
 from ..agreement import UsageProbe, check_same_parameters_used
-from ..compat import HYBRID_SHARD_ZERO2, checkpoint_inner
+from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import current_device, local_world_size, teardown_at_exit
-from ..layers import ActivationCheckpointing, RegionalCompile, prepare_layers
 from ..meta_init import check_meta_model, materialize
 from ..options import (
-    FP32_MODULES_DEFAULT,
     Accumulation,
-    Fp32Modules,
     _got,
-    check_fp32_modules,
-    check_keys,
     option_dict,
-    resolve_accumulation,
     resolve_dtypes_and_flags,
+    resolve_enum,
     resolve_flag,
-    resolve_init_device,
-    split_fp32_modules,
 )
-from ..policies import ModelIndex, PolicyConfig, within
+from ..policies import ModelIndex, within
 from ..registry import MODEL_WRAPPERS
 from .base import (
+    NODE,
     Construction,
     Layout,
+    MeshSpec,
     ModelHolder,
     Padding,
     ShardingSpec,
     WrapperConfig,
+    outermost,
+    prepare_layers,
     refuse_keyword_build,
     units_children_first,
 )
-from .fsdp import resolve_sharding_strategy
 
-__all__ = ['FSDP1_ONLY_OPTIONS', 'FullyShardConfig', 'MMFullyShard', 'Merge', 'MeshSpec', 'NODE',
-           'ROOT', 'merge_units_sharing_parameters', 'reject_fsdp1_options', 'resolve_mesh',
+__all__ = ['FSDP1_ONLY_OPTIONS', 'FullyShardConfig', 'MMFullyShard', 'Merge', 'ROOT',
+           'compute_in_fp32', 'merge_units_sharing_parameters', 'resolve_mesh',
            'resolve_mp_policy', 'resolve_offload_policy', 'resolve_reshard_after_forward',
-           'shard_model', 'translate_sharding_strategy']
+           'shard_model']
 
 NAME = 'mmfsdp.MMFullyShard'
 _MP_KEY = 'model_wrapper_cfg.mixed_precision'
@@ -90,18 +87,6 @@ _FSDP1_ONLY_MP_KEYS: Dict[str, str] = {
     'cast_root_forward_inputs': 'use cast_forward_inputs',
 }
 _FSDP2_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'output_dtype')
-_FSDP2_MP_FLAGS = ('cast_forward_inputs', )
-
-#: ``mesh`` value meaning "the processes of one node" (torchrun's ``LOCAL_WORLD_SIZE``).
-NODE = 'node'
-
-
-def reject_fsdp1_options(cfg: Mapping[str, Any], key: str = 'model_wrapper_cfg') -> None:
-    """Raise ``TypeError`` naming the FSDP2 replacement of an FSDP1-only option."""
-    for name, instead in FSDP1_ONLY_OPTIONS.items():
-        if name in cfg:
-            raise TypeError(f'{key}: {name!r} is an FSDP1 option that mmfsdp.MMFullyShard '
-                            f'(FSDP2) does not take: {instead}')
 
 
 def resolve_mp_policy(
@@ -112,12 +97,10 @@ def resolve_mp_policy(
 
         mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', cast_forward_inputs=True)
 
-    Its ``fp32_modules`` key is checked by :func:`check_fp32_modules`, not here.
+    Its ``fp32_modules`` key is moved out before (the config's ``fp32_modules``).
     """
-    if value is None:
-        return MixedPrecisionPolicy()
-    if isinstance(value, MixedPrecisionPolicy):
-        return value
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value or MixedPrecisionPolicy()
     if isinstance(value, MixedPrecision):
         raise TypeError(f'{_MP_KEY}: got an FSDP1 MixedPrecision; FSDP2 takes a '
                         'MixedPrecisionPolicy or dict(param_dtype=..., reduce_dtype=..., '
@@ -129,10 +112,8 @@ def resolve_mp_policy(
         if name in value:
             raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
-    check_keys(value, _FSDP2_MP_DTYPES + _FSDP2_MP_FLAGS + ('fp32_modules', ), _MP_KEY)
-    value, _ = split_fp32_modules(value)  # resolved against the model (the config's layout)
-    return MixedPrecisionPolicy(
-        **resolve_dtypes_and_flags(value, _FSDP2_MP_DTYPES, _FSDP2_MP_FLAGS, _MP_KEY))
+    return MixedPrecisionPolicy(**resolve_dtypes_and_flags(
+        value, _FSDP2_MP_DTYPES, ('cast_forward_inputs', ), _MP_KEY))
 
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]
@@ -167,42 +148,6 @@ def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
                     f'{_got(value)}')
 
 
-@dataclass(frozen=True)
-class MeshSpec:
-    """The data-parallel mesh: ``replicate`` groups of ``shard`` ranks (``-1``: the rest).
-
-    ::
-
-        model_wrapper_cfg = dict(type='mmfsdp.MMFullyShard', mesh=dict(replicate=2, shard='node'))
-    """
-
-    replicate: int = 1
-    shard: Union[int, str] = -1
-
-    def sizes(self, world_size: int, local_world_size: Optional[int] = None) -> Tuple[int, int]:
-        """``(replicate, shard)`` for ``world_size`` ranks; ``ValueError`` if they do not fit."""
-        shard = self.shard
-        if shard == NODE:
-            if local_world_size is None:
-                raise ValueError("model_wrapper_cfg.mesh.shard: "
-                                 "'node' needs LOCAL_WORLD_SIZE (set by torchrun); "
-                                 'give the shard group size as an int instead')
-            shard = local_world_size
-        replicate = self.replicate
-        if replicate == -1 and shard == -1:
-            raise ValueError('model_wrapper_cfg.mesh: replicate and shard cannot both be -1')
-        if replicate == -1:
-            replicate = world_size // shard if world_size % shard == 0 else 0
-        elif shard == -1:
-            shard = world_size // replicate if world_size % replicate == 0 else 0
-        if replicate * shard != world_size:
-            raise ValueError('model_wrapper_cfg.mesh: '
-                             f'replicate={self.replicate} x shard={self.shard} does not '
-                             f'match the world size {world_size}; replicate * shard must '
-                             'equal it (use -1 for "the rest")')
-        return replicate, shard
-
-
 def _mesh_size(value: Any, key: str, allow_node: bool) -> Union[int, str]:
     if allow_node and value == NODE:
         return value
@@ -215,10 +160,8 @@ def _mesh_size(value: Any, key: str, allow_node: bool) -> Union[int, str]:
 
 def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
     """``mesh``: ``dict(replicate=R, shard=S)``; the default shards over every rank."""
-    if value is None:
-        return MeshSpec()
-    if isinstance(value, MeshSpec):
-        return value
+    if value is None or isinstance(value, MeshSpec):
+        return value or MeshSpec()
     option_dict(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh',
                 'dict(replicate=..., shard=...)')
     return MeshSpec(
@@ -226,20 +169,33 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
         shard=_mesh_size(value.get('shard', -1), 'model_wrapper_cfg.mesh.shard', True))
 
 
-def translate_sharding_strategy(value: Union[str, ShardingStrategy]) -> Tuple[bool, bool]:
-    """An FSDP1 ``sharding_strategy`` as FSDP2's ``(reshard_after_forward, hybrid: 2-D mesh)``."""
-    strategy = resolve_sharding_strategy(value)
+def _from_sharding_strategy(cfg: Mapping[str, Any], value: Any) -> Dict[str, Any]:
+    """``reshard_after_forward`` (and the hybrid mesh) an FSDP1 strategy name stands for.
+
+    ``FULL_SHARD`` / ``HYBRID_SHARD`` reshard after forward, ``SHARD_GRAD_OP`` /
+    ``_HYBRID_SHARD_ZERO2`` do not; the hybrid ones shard within each node
+    unless ``mesh`` says otherwise.
+    """
+    if 'reshard_after_forward' in cfg:
+        raise TypeError('model_wrapper_cfg: give reshard_after_forward or sharding_strategy '
+                        '(translated to it), not both')
+    strategy = resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
     if strategy is ShardingStrategy.NO_SHARD:
         raise ValueError("model_wrapper_cfg.sharding_strategy: "
                          "'NO_SHARD' has no FSDP2 equivalent (FSDP1 itself "
                          "deprecates it for DDP); use type='mmfsdp.MMDistributedDataParallel' "
                          'to replicate without sharding')
-    return {
-        ShardingStrategy.FULL_SHARD: (True, False),
-        ShardingStrategy.SHARD_GRAD_OP: (False, False),
-        ShardingStrategy.HYBRID_SHARD: (True, True),
-        HYBRID_SHARD_ZERO2: (False, True),
-    }[strategy]
+    out: Dict[str, Any] = dict(reshard_after_forward=strategy in (
+        ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
+    if strategy in (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2):
+        out['mesh'] = resolve_mesh(cfg['mesh']) if 'mesh' in cfg else MeshSpec(-1, NODE)
+        if out['mesh'].replicate == 1:
+            raise ValueError('model_wrapper_cfg.sharding_strategy: '
+                             f'{value!r} replicates '
+                             'across groups, but mesh has replicate=1; set mesh=dict('
+                             'replicate=R, shard=S) with R > 1, or leave mesh out to shard '
+                             'within each node')
+    return out
 
 
 #: The name that stands for the root unit (the whole model) in a :class:`Merge`.
@@ -260,24 +216,9 @@ class Merge:
     owner: str
 
 
-def _owner(module_name: str, units: set) -> str:
-    """The innermost unit enclosing ``module_name``, or ``''`` for the root."""
-    parts = module_name.split('.') if module_name else []
-    for end in range(len(parts), 0, -1):
-        candidate = '.'.join(parts[:end])
-        if candidate in units:
-            return candidate
-    return ''
-
-
-def _common_ancestor(names: Sequence[str]) -> str:
-    split = [n.split('.') if n else [] for n in names]
-    common: List[str] = []
-    for parts in zip(*split):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return '.'.join(common)
+def _innermost(name: str, units: Sequence[str]) -> str:
+    """The innermost of ``units`` enclosing module ``name``, or ``''`` for the root."""
+    return max((unit for unit in units if within(name, unit)), key=len, default='')
 
 
 def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
@@ -285,7 +226,9 @@ def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
     """Drop units so that every parameter belongs to exactly one unit or to the root.
 
     FSDP2 gives every parameter to one group; a tied embedding / LM head is the
-    classic case.
+    classic case. The units that would hold a shared parameter give it to the
+    innermost unit enclosing all of them; those between are not sharded
+    separately. Dropping a unit never splits a parameter that was not split.
 
     Args:
         index: The unsharded model, walked (or the model).
@@ -297,33 +240,26 @@ def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
         Each merge is logged as a warning.
 
     """
-    kept = list(units)
-    merges: List[Merge] = []
-    registrations = [regs for regs in ModelIndex.of(index).registrations.values() if len(regs) > 1]
-    while True:
-        unit_set = set(kept)
-        conflict = None
-        for regs in registrations:
-            owners = {_owner(module_name, unit_set) for _, module_name in regs}
-            if len(owners) > 1:
-                conflict = regs, owners
-                break
-        if conflict is None:
-            return kept, merges
-        regs, owners = conflict
-        owner = _owner(_common_ancestor(owners), unit_set)
-        dropped = [u for u in kept if u != owner and within(u, owner)
-                   and any(within(o, u) for o in owners)]
+    kept, merges = list(units), []
+    for regs in ModelIndex.of(index).registrations.values():
+        owners = {_innermost(module_name, kept) for _, module_name in regs}
+        if len(owners) < 2:
+            continue
+        common = os.path.commonprefix([o.split('.') if o else [] for o in owners])
+        owner = _innermost('.'.join(common), kept)
+        dropped = tuple(u for u in kept if u != owner and within(u, owner)
+                        and any(within(o, u) for o in owners))
         kept = [u for u in kept if u not in dropped]
         merge = Merge(parameter_names=tuple(name for name, _ in regs),
                       owners=tuple(sorted(o or ROOT for o in owners)),
-                      dropped=tuple(dropped), owner=owner or ROOT)
+                      dropped=dropped, owner=owner or ROOT)
         merges.append(merge)
         print_log(f'FSDP2 unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
                   f'{", ".join(merge.owners)}; FSDP2 allows one group per parameter, so '
                   f'{", ".join(merge.dropped)} will not be sharded as separate units and '
                   f'their parameters join {merge.owner}', logger='current',
                   level=logging.WARNING)
+    return kept, merges
 
 
 @dataclass(frozen=True)
@@ -334,8 +270,6 @@ class FullyShardConfig(WrapperConfig):
     (and, for the hybrid strategies, the mesh).
     """
 
-    #: Which submodules get their own ``fully_shard`` (same policies as FSDP1).
-    auto_wrap_policy: PolicyConfig = None
     #: Free the gathered parameters after forward (True, ZeRO-3), keep them
     #: until backward (False, ZeRO-2), or keep them gathered within groups of
     #: this many ranks (int).
@@ -346,52 +280,29 @@ class FullyShardConfig(WrapperConfig):
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     #: Keep sharded parameters, gradients and optimizer state on the CPU.
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
-    #: ``dict(layer_cls=[...], mode=...)``: layers whose activations are
-    #: recomputed in backward (:mod:`mmfsdp.layers`).
-    activation_checkpointing: Optional[ActivationCheckpointing] = None
-    #: ``dict(layer_cls=[...], **torch.compile options)``: layers compiled one by one.
-    regional_compile: Optional[RegionalCompile] = None
-    #: ``'meta'``: build on the meta device, shard, then materialise each shard.
-    init_device: Optional[str] = None
     #: Reduce a zero gradient for every parameter that got none in this rank's
     #: backward (ranks that use different parameters: a head used on some ranks
     #: only, MoE experts). Without it the first training forward checks that
     #: the ranks used the same parameters (a hang in backward otherwise).
     find_unused_parameters: bool = False
-    #: ``'sharded'`` reduce-scatters every micro-step, ``'unsharded'`` keeps full
-    #: local gradients (and, with ``reshard_after_forward=False``, the gathered
-    #: parameters) until the last (see :mod:`mmfsdp.options`).
-    accumulation: Accumulation = Accumulation.SHARDED
-    #: ``mixed_precision.fp32_modules``: module classes (or their names) that
-    #: compute in fp32 under a lower ``param_dtype``, each its own group.
-    fp32_modules: Fp32Modules = FP32_MODULES_DEFAULT
 
     NAME: ClassVar[str] = NAME
     RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
-        reshard_after_forward=resolve_reshard_after_forward,
-        mesh=resolve_mesh,
-        mixed_precision=resolve_mp_policy,
-        offload=resolve_offload_policy,
-        init_device=resolve_init_device,
-        find_unused_parameters=lambda v: resolve_flag(
-            v, key='model_wrapper_cfg.find_unused_parameters'),
-        accumulation=resolve_accumulation,
-        fp32_modules=check_fp32_modules,
-    )
+        reshard_after_forward=resolve_reshard_after_forward, mesh=resolve_mesh,
+        mixed_precision=resolve_mp_policy, offload=resolve_offload_policy)
 
     @classmethod
-    def _translate(cls, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    def from_dict(cls, cfg: Mapping[str, Any]) -> 'FullyShardConfig':
         """FSDP1-only options refused with their FSDP2 form; ``sharding_strategy`` translated."""
-        reject_fsdp1_options(cfg)
+        for name, instead in FSDP1_ONLY_OPTIONS.items():
+            if name in cfg:
+                raise TypeError(f'model_wrapper_cfg: {name!r} is an FSDP1 option that '
+                                f'mmfsdp.MMFullyShard (FSDP2) does not take: {instead}')
+        cfg = dict(cfg)
         if cfg.get('sharding_strategy') is not None:
-            cfg.update(_from_sharding_strategy(cfg))
+            cfg.update(_from_sharding_strategy(cfg, cfg['sharding_strategy']))
         cfg.pop('sharding_strategy', None)
-        return super()._translate(cfg)
-
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        """``mixed_precision.param_dtype``."""
-        return self.mixed_precision.param_dtype
+        return super().from_dict(cfg)
 
     def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
         """The base layout with units merged where they share a parameter (one group each).
@@ -410,8 +321,8 @@ class FullyShardConfig(WrapperConfig):
                 f"children directly, past {NAME}'s forward where no_sync takes effect; use "
                 "accumulation='sharded' (the same numbers) or "
                 "type='mmfsdp.MMFullyShardedDataParallel'")
-        units = tuple(merge_units_sharing_parameters(index, layout.units)[0])
-        layout = replace(layout, units=units)
+        layout = replace(layout, units=tuple(merge_units_sharing_parameters(index,
+                                                                            layout.units)[0]))
         check_groups(index, layout)
         return layout
 
@@ -422,8 +333,7 @@ class FullyShardConfig(WrapperConfig):
 
     def check_device(self, device: torch.device) -> None:
         """Pinned memory needs an accelerator."""
-        if (isinstance(self.offload, CPUOffloadPolicy) and self.offload.pin_memory
-                and device.type == 'cpu'):
+        if self.offloads_to_cpu and self.offload.pin_memory and device.type == 'cpu':
             raise ValueError('model_wrapper_cfg.offload.pin_memory: pinned memory needs an '
                              'accelerator and this process trains on the CPU; set '
                              'pin_memory=False, or leave offload out (the parameters are on '
@@ -431,24 +341,16 @@ class FullyShardConfig(WrapperConfig):
 
     def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
         """``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset)."""
-        local = local_world_size() or world_size
-        replicate, shard = self.mesh.sizes(world_size, min(local, world_size)
-                                           if self.mesh.shard == NODE else None)
+        replicate, shard = self.mesh.sizes(world_size, local_world_size() or world_size)
         reshard = self.reshard_after_forward
-        return ShardingSpec(
-            wrapper=NAME, strategy=f'reshard_after_forward={reshard}',
+        return replace(
+            super().sharding_spec(layout, world_size), strategy=f'reshard_after_forward={reshard}',
             shard_size=shard, replicate_size=replicate,
-            units=units_children_first(layout.units, layout.fp32_modules),
-            fp32_units=layout.fp32_modules,
             padding=Padding.DIM0 if shard > 1 else Padding.NONE,
-            shard_params=shard > 1, shard_grads=shard > 1, shard_optimizer=shard > 1,
             keep_gathered_until_backward=shard > 1 and reshard is not True,
             kept_shard_size=reshard if type(reshard) is int else 1,
-            compute_dtype=self.mixed_precision.param_dtype,
             construction=Construction.SHARDS if self.init_device == 'meta' else Construction.FULL,
-            gathers_unsharded=True, grads_freed_between_steps=True,
-            checkpoint_layers=layout.checkpoint_layers,
-            unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
+            gathers_unsharded=True, grads_freed_between_steps=True)
 
 
 def _groups(module: nn.Module, layout: Layout) -> List[str]:
@@ -487,48 +389,15 @@ def check_groups(index: ModelIndex, layout: Layout) -> None:
                 'parameters one dtype (mixed precision is model_wrapper_cfg.mixed_precision), '
                 'make the differing modules units of their own (auto_wrap_policy), or list '
                 'their class in mixed_precision.fp32_modules')
-    kept = set(layout.fp32_modules)
-    if not kept:
-        return
-    for shared in ([n for n, _ in regs] for regs in index.registrations.values() if len(regs) > 1):
-        owners = {next((k for k in kept if within(n.rpartition('.')[0], k)), None)
-                  for n in shared}
+    for regs in index.registrations.values():
+        owners = {next((k for k in layout.fp32_modules if within(m, k)), None) for _, m in regs}
         if len(owners) > 1:
             raise ValueError(
-                f'{NAME}: parameter {" = ".join(shared)} is shared by a module kept in fp32 '
-                f'({", ".join(sorted(o for o in owners if o is not None))}) and a module '
-                'outside it; FSDP2 gives a parameter to one group, so it cannot compute in '
-                'fp32 in one and in low precision in the other. Remove its class from '
+                f'{NAME}: parameter {" = ".join(n for n, _ in regs)} is shared by a module kept '
+                f'in fp32 ({", ".join(sorted(o for o in owners if o is not None))}) and a '
+                'module outside it; FSDP2 gives a parameter to one group, so it cannot compute '
+                'in fp32 in one and in low precision in the other. Remove its class from '
                 'model_wrapper_cfg.mixed_precision.fp32_modules, or stop sharing the parameter')
-
-
-def _from_sharding_strategy(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """``reshard_after_forward`` (and the hybrid mesh) an FSDP1 strategy name stands for."""
-    if 'reshard_after_forward' in cfg:
-        raise TypeError('model_wrapper_cfg: give reshard_after_forward or sharding_strategy '
-                        '(translated to it), not both')
-    reshard, hybrid = translate_sharding_strategy(cfg['sharding_strategy'])
-    out: Dict[str, Any] = dict(reshard_after_forward=reshard)
-    if hybrid:
-        mesh = resolve_mesh(cfg.get('mesh'))
-        if 'mesh' not in cfg:
-            mesh = MeshSpec(replicate=-1, shard='node')  # FSDP1's layout: shard within a node
-        elif mesh.replicate == 1:
-            raise ValueError('model_wrapper_cfg.sharding_strategy: '
-                             f'{cfg["sharding_strategy"]!r} replicates '
-                             'across groups, but mesh has replicate=1; set mesh=dict('
-                             'replicate=R, shard=S) with R > 1, or leave mesh out to shard '
-                             'within each node')
-        out['mesh'] = mesh
-    return out
-
-
-def _build_mesh(spec: MeshSpec, device: torch.device) -> DeviceMesh:
-    """A 1-D ``('shard',)`` mesh, or 2-D ``('replicate', 'shard')`` for hybrid sharding."""
-    replicate, shard = spec.sizes(dist.get_world_size(), local_world_size())
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard, ), mesh_dim_names=('shard', ))
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))
 
 
 def _check_reshard_after_forward(value: Union[bool, int], mesh: DeviceMesh) -> None:
@@ -566,8 +435,7 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
     targets = {name: module.get_submodule(name) for name in _groups(module, layout)}
     kept = [module.get_submodule(name) for name in layout.fp32_modules]
     prepare_layers(module, layout)
-    outer = {id(checkpoint_inner(m)): m for m in module.modules()
-             if checkpoint_inner(m) is not None}
+    outer = outermost(module)
     shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload_policy)
     for name, target in targets.items():
         in_fp32 = any(within(name, kept) for kept in layout.fp32_modules)
@@ -664,7 +532,7 @@ class MMFullyShard(ModelHolder):
         refuse_keyword_build(type(self), config, layout, options)
         super().__init__()
         device = current_device()
-        self.mesh = _build_mesh(config.mesh, device)
+        self.mesh = config.mesh.build(device, dist.get_world_size(), local_world_size())
         _check_reshard_after_forward(config.reshard_after_forward, self.mesh)
         on_meta = check_meta_model(module, config.init_device, 'after sharding')
         self.units = list(u for u in layout.units if u not in (layout.roots or ()))
@@ -687,7 +555,6 @@ class MMFullyShard(ModelHolder):
         # across micro-steps too.
         self._keep_gathered = (config.accumulation is Accumulation.UNSHARDED
                                and config.reshard_after_forward is False)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded model's forward; the coming backward reduces unless inside no_sync."""
         for root in self._roots:

@@ -207,7 +207,7 @@ def test_our_config_loader_hides_mmengines_pkg_resources_warning_only(tmp_path):
     (tmp_path / 'usermod.py').write_text("import warnings\nwarnings.warn('the user warns')\n")
     (tmp_path / 'experiment.py').write_text(
         FSDP1_CONFIG + "custom_imports = dict(imports=['usermod'])\n")
-    load = ('import mmfsdp\nfrom mmfsdp.config import load_config\n'
+    load = ('import mmfsdp\nfrom mmfsdp.registry import load_config\n'
             "load_config('experiment.py')\n")
     done = subprocess.run([sys.executable, '-c', load], cwd=tmp_path, env=job_env(REPO),
                           capture_output=True, text=True, timeout=120, check=True)

@@ -22,7 +22,7 @@ BLOCK = ['ToyBlock']
 
 def _prepared(**options) -> torch.nn.Module:
     """The toy model with its layers checkpointed / compiled as FSDP2 would, before sharding."""
-    from mmfsdp.layers import prepare_layers
+    from mmfsdp.wrappers.base import prepare_layers
     from mmfsdp.wrappers.fsdp2 import FullyShardConfig
     torch.manual_seed(0)
     model = ToyClassifier(dim=64, depth=4)

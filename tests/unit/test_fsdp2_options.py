@@ -18,18 +18,17 @@ from mmfsdp import MMFullyShard
 from mmfsdp.demo import GPT
 from mmfsdp.options import resolve_init_device
 from mmfsdp.policies import build_wrap_policy, plan_units
-from mmfsdp.wrappers import FullyShardConfig
+from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
+from mmfsdp.wrappers.base import MeshSpec
 from mmfsdp.wrappers.builder import resolve_wrapper
 from mmfsdp.wrappers.fsdp2 import (
     FSDP1_ONLY_OPTIONS,
     ROOT,
-    MeshSpec,
     merge_units_sharing_parameters,
     resolve_mesh,
     resolve_mp_policy,
     resolve_offload_policy,
     resolve_reshard_after_forward,
-    translate_sharding_strategy,
 )
 from toy import ToyClassifier
 
@@ -104,6 +103,15 @@ def test_mesh_sizes(mesh, world, local, sizes):
     assert resolve_mesh(mesh).sizes(world, local) == sizes
 
 
+def test_nodes_of_different_sizes_are_named_as_such(monkeypatch):
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '3')
+    for config in (FullyShardConfig.from_dict(dict(mesh=dict(replicate=-1, shard='node'))),
+                   FSDPConfig.from_dict(dict(sharding_strategy='HYBRID_SHARD'))):
+        with pytest.raises(ValueError, match='LOCAL_WORLD_SIZE: 3 ranks per node do not divide '
+                                             'the world size 4'):
+            config.sharding_spec(config.layout(ToyClassifier()), 4)
+
+
 def test_mesh_that_does_not_fit_the_world_says_so():
     with pytest.raises(ValueError) as e:
         resolve_mesh(dict(replicate=3, shard=2)).sizes(4)
@@ -129,12 +137,13 @@ def test_bad_mesh(mesh, fragment):
     ('FULL_SHARD', (True, False)), ('shard_grad_op', (False, False)),
     ('HYBRID_SHARD', (True, True)), ('_HYBRID_SHARD_ZERO2', (False, True))])
 def test_sharding_strategy_translation(strategy, expected):
-    assert translate_sharding_strategy(strategy) == expected
+    cfg = FullyShardConfig.from_dict(dict(sharding_strategy=strategy))
+    assert (cfg.reshard_after_forward, cfg.mesh.replicate != 1) == expected
 
 
 def test_no_shard_points_to_ddp():
     with pytest.raises(ValueError, match="NO_SHARD.*mmfsdp.MMDistributedDataParallel"):
-        translate_sharding_strategy('NO_SHARD')
+        FullyShardConfig.from_dict(dict(sharding_strategy='NO_SHARD'))
 
 
 def test_init_device():

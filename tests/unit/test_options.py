@@ -9,8 +9,12 @@ from mmfsdp.wrappers.fsdp import (
     resolve_backward_prefetch,
     resolve_cpu_offload,
     resolve_mixed_precision,
-    resolve_sharding_strategy,
 )
+
+
+def resolve_sharding_strategy(value):
+    """``sharding_strategy`` as FSDPConfig resolves it (by its type, ShardingStrategy)."""
+    return FSDPConfig.from_dict(dict(sharding_strategy=value)).sharding_strategy
 
 
 @pytest.mark.parametrize('name, dtype', [
