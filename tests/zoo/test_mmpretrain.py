@@ -21,6 +21,11 @@ by more than rounding. The ResNet runs here use ``norm_eval=True`` (BN in eval
 mode, fixed statistics), where the difference vanishes; ``sync_bn='torch'``
 removes it too on GPUs (torch's SyncBatchNorm has no CPU kernel).
 
+mmpretrain's shipped ``FlexibleRunner`` configs (ViT-L FSDP, and DeepSpeed as shipped and at
+ZeRO-3) run through the same ``tools/train.py`` made small with ``--cfg-options``, only
+``runner_type`` changed: they shard (the plan log names ``mmfsdp.MMFullyShard``) and equal the same
+run written in mmfsdp's own keys.
+
 Needs mmpretrain 1.2.0 (with mmcv-lite 2.2.0 or mmcv 2.1.0) and a torchvision
 that imports beside the installed torch: ``tools/zoo_env.sh`` builds that env and
 runs the tier; skipped, with the reason, elsewhere. Marked ``zoo``: excluded
@@ -198,3 +203,64 @@ def test_mmpretrain_tools_equal_one_process(model, wrapper, data_root, stock, tm
           f' (one process {ref["top1"]})')
     assert diff <= TOL
     assert float(TOP1.findall(out)[-1]) == ref['top1']
+
+
+# ---- mmpretrain's shipped FlexibleRunner configs, only runner_type changed (issue 37) -------
+
+CONFIGS = TOOLS.parent / 'configs' / 'mae' / 'benchmarks'
+#: What makes the shipped ViT-L configs small: a 2-layer, 64-wide ViT on 32x32 PNGs, one epoch,
+#: no validation, gloo (a CPU host); everything else is the shipped config.
+SMALL = [
+    'model.backbone.arch._delete_=True', 'model.backbone.arch.embed_dims=64',
+    'model.backbone.arch.num_layers=2', 'model.backbone.arch.num_heads=2',
+    'model.backbone.arch.feedforward_channels=128', 'model.backbone.img_size=32',
+    'model.backbone.patch_size=8', 'model.backbone.init_cfg=None', 'model.head.in_channels=64',
+    'model.head.num_classes=2', 'model.train_cfg=None', 'data_preprocessor.num_classes=2',
+    'train_dataloader.batch_size=2', 'train_dataloader.num_workers=0',
+    'train_dataloader.persistent_workers=False', 'train_dataloader.dataset.pipeline.1.scale=32',
+    'train_dataloader.dataset.metainfo.classes=[dark,bright]', 'val_dataloader=None',
+    'val_cfg=None', 'val_evaluator=None', 'train_cfg.max_epochs=1',
+    'env_cfg.dist_cfg.backend=gloo']
+#: name: (shipped config, its strategy made small, the same run in mmfsdp's own keys)
+SHIPPED = dict(
+    fsdp=('vit-large-p16_8xb128-fsdp-coslr-50e_in1k.py',
+          ['strategy.model_wrapper.auto_wrap_policy.min_num_params=1e4'],
+          ['model_wrapper_cfg.type=mmfsdp.MMFullyShard',
+           'model_wrapper_cfg.auto_wrap_policy.type=size_based',
+           'model_wrapper_cfg.auto_wrap_policy.min_num_params=10000']),
+    deepspeed_zero1=('vit-large-p16_8xb128-ds-coslr-50e_in1k.py', [],
+                     ['model_wrapper_cfg.type=mmfsdp.MMFullyShard',
+                      'model_wrapper_cfg.reshard_after_forward=False']),
+    deepspeed_zero3=('vit-large-p16_8xb128-ds-coslr-50e_in1k.py',
+                     ['strategy.zero_optimization.stage=3'],
+                     ['model_wrapper_cfg.type=mmfsdp.MMFullyShard',
+                      'model_wrapper_cfg.reshard_after_forward=True']),
+)
+DS_NATIVE_OPTIM = ['optim_wrapper.type=mmfsdp.AmpOptimWrapper', 'optim_wrapper.dtype=float16',
+                   'optim_wrapper.loss_scale.init_scale=32768.0',
+                   'optim_wrapper.loss_scale.growth_interval=500']
+
+
+@pytest.mark.parametrize('name', list(SHIPPED))
+def test_shipped_flexible_runner_config_shards_and_equals_native_keys(name, data_root,
+                                                                       tmp_path):
+    config, strategy, native = SHIPPED[name]
+    if name.startswith('deepspeed'):
+        native = native + DS_NATIVE_OPTIM
+    common = SMALL + [f'train_dataloader.dataset.data_root={data_root}',
+                      'runner_type=mmfsdp.FSDPRunner']
+    runs = dict(strategy=common + strategy, native=common + native + ['strategy=None'])
+    weights, logs = {}, {}
+    for run, options in runs.items():
+        work = tmp_path / run
+        logs[run] = run_tool(torchrun(TOOLS / 'train.py', str(CONFIGS / config), '--work-dir',
+                                      str(work), '--cfg-options', *options))
+        weights[run] = checkpoint_weights(work / 'epoch_1.pth')
+    assert "runs as mmfsdp's keys" in logs['strategy']
+    assert "runs as mmfsdp's keys" not in logs['native']
+    for run in runs:
+        assert 'Sharding plan:\nmmfsdp.MMFullyShard' in logs[run], run
+    diff = max((weights['strategy'][k] - weights['native'][k]).abs().max().item()
+               for k in weights['native'])
+    print(f'{name}: max abs diff to the native keys {diff:.1e}')
+    assert sorted(weights['strategy']) == sorted(weights['native']) and diff == 0.0
