@@ -7,7 +7,7 @@
 #
 # The env is separate from the main one on purpose: it holds the index's CUDA builds of
 # torch 2.14.1 / torchvision 0.29.1 (they run on a CPU-only host; about 6 GB), mmpretrain 1.2.0,
-# mmsegmentation 1.2.2 and mmcv 2.1.0 with its compiled ops. mmseg needs mmcv < 2.2 and imports
+# mmsegmentation 1.2.2, mmdet 3.3.0 and mmcv 2.1.0 with its compiled ops. mmseg needs mmcv < 2.2 and imports
 # mmcv.ops at module level, and no index has an mmcv wheel with ops for this torch: the mmcv 2.1.0
 # sdist is built here once (its setup.py asks for -std=c++14/17, torch 2.14's headers need C++20,
 # so the flag is patched), about 30 min on one core, and the wheel is kept for later envs.
@@ -25,11 +25,12 @@ CACHE=${MMFSDP_ZOO_CACHE:-$HOME/.cache/mmfsdp-zoo}
 
 TORCH=(torch==2.14.1 torchvision==0.29.1)
 MMCV_VERSION=2.1.0
-ZOO=(mmpretrain==1.2.0 mmsegmentation==1.2.2
+ZOO=(mmpretrain==1.2.0 mmsegmentation==1.2.2 mmdet==3.3.0
      # mmseg imports them (its text-prompt heads) without declaring them
      ftfy regex)
+TRANSFORMERS='transformers==4.36.2'
 # The marker records what the env was made with; a different spec rebuilds the installs.
-SPEC="${TORCH[*]} mmcv==$MMCV_VERSION ${ZOO[*]} -e $REPO[tests]"
+SPEC="${TORCH[*]} mmcv==$MMCV_VERSION ${ZOO[*]} -e $REPO[tests] $TRANSFORMERS"
 MARKER=$VENV/.mmfsdp-zoo-spec
 
 log() { echo "[zoo_env] $*" >&2; }
@@ -71,7 +72,11 @@ if [[ ! -f $MARKER || $(cat "$MARKER") != "$SPEC" ]]; then
     "$VENV/bin/pip" install -q "${TORCH[@]}" 'setuptools<82' wheel ninja
     WHEEL=$(mmcv_wheel)
     "$VENV/bin/pip" install -q "$WHEEL" "${ZOO[@]}" -e "$REPO[tests]"
-    "$VENV/bin/python" -c 'import mmcv.ops, mmseg.models, mmpretrain, mmfsdp'
+    # Every `import mmpretrain.models` (mmdet's ReID preprocessor does one) imports its BLIP
+    # code, which imports helpers later transformers dropped from modeling_utils (4.36.2 has
+    # them); the tests extra's transformers 5 is for test_hf_zoo, which this tier does not run.
+    "$VENV/bin/pip" install -q "$TRANSFORMERS"
+    "$VENV/bin/python" -c 'import mmcv.ops, mmseg.models, mmdet.models, mmpretrain, mmfsdp'
     echo "$SPEC" > "$MARKER"
     log "environment ready: $VENV"
 else
