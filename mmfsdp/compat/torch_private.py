@@ -30,8 +30,9 @@ __all__ = ['ActivationWrapper', 'BATCH_NORM_BASE', 'fsdp1_fp32_classes', 'with_f
            'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
            'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
            'convert_tensors',
-           'direct_tensor', 'direct_tensors', 'fake_tensor_mode', 'fsdp1_reshard_if_gathered',
-           'gloo_worker_threads', 'initialiser', 'operator_name', 'registered_buffers',
+           'direct_tensor', 'direct_tensors', 'dispatch_modes_off', 'fake_tensor_mode',
+           'fsdp1_reshard_if_gathered',
+           'gloo_worker_threads', 'initialiser', 'is_fake', 'operator_name', 'registered_buffers',
            'registered_child', 'registered_children', 'registered_parameters',
            'replace_registered', 'set_activation_memory_budget', 'set_fsdp1_gradient_sync',
            'storage_key', 'written_arguments']
@@ -173,6 +174,19 @@ def fake_tensor_mode() -> Any:
     # why: only fake tensors (torch._subclasses) run forward and backward without storage
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes without storage)."""
+    from torch._subclasses.fake_tensor import is_fake as fake  # why: as fake_tensor_mode
+    return fake(tensor)
+
+
+def dispatch_modes_off() -> Any:
+    """A context in which no dispatch mode (fake tensors, counters) is active: real tensors."""
+    # why: torch's only way to step out of every active TorchDispatchMode and back
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ from ..wrappers.base import Layout
 from ..wrappers.builder import model_wrapper_config, resolve_wrapper
 from . import format_plan, plan_of, plan_to_dict, step_peak, trace_of
 from .allocator import ALLOCATORS, heap_threshold, launch_allocator
-from .batch import config_batch, shape_batch
+from .batch import config_batch, shape_batch, worst_case_dataset
 from .fit import fit, parse_bytes
 from .report import format_step, size_text
 
@@ -151,33 +151,51 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     plans = [plan_of(wrapping, layout, model, n, optim_wrapper, ema) for n in args.world_size]
     if args.no_trace and budget is None:
         return '\n\n'.join(format_plan(p) for p in plans), [plan_to_dict(p) for p in plans]
+    layers = checkpoint or _unit_classes(model, units)
+    failed = None
     with DefaultScope.overwrite_default_scope(scope):
-        if args.input_shape:
-            shape = [int(s) for s in args.input_shape.replace('x', ',').split(',')]
-            batch, size = shape_batch(shape, DTYPES[args.input_dtype], args.batch_size)
-        if budget is not None:
-            layers = checkpoint or _unit_classes(model, units)
-            try:
-                if not args.input_shape:
-                    batch, size = config_batch(cfg.get('train_dataloader'), scope,
-                                               args.batch_size)
-                found = fit(model, wrapping.options, scope, batch, size, args.world_size, layers,
-                            optimizer, ema, heap_threshold=heap, accumulative_counts=counts)
-            except Exception as e:  # nothing to list without a traced step: say why, briefly
-                raise SystemExit(f'{PROG}: error: --fit-memory needs one training step traced; '
-                                 f'{_why_no_trace(e)}') from e
-            return _fit_text(found, budget, size, layers), _fit_json(found, budget)
         try:
-            if not args.input_shape:
-                batch, size = config_batch(cfg.get('train_dataloader'), scope, args.batch_size)
-            trace = trace_of(wrapping, layout, model, batch, args.world_size[0])
-        except Exception as e:  # the model states still hold: print them, and why no step
-            reason = f'activations not traced: {_why_no_trace(e)}; --no-trace skips the trace'
-            return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
-                    [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
+            batch, size, source = _batch(args, cfg, scope)
+        except Exception as e:  # the batch needs the dataset's files
+            failed = (f'{type(e).__name__}: {e} (where the training dataset is not on this '
+                      'machine, --input-shape gives the inputs directly, e.g. 32,3,224,224)')
+        else:
+            try:
+                if budget is not None:
+                    found = fit(model, wrapping.options, scope, batch, size, args.world_size,
+                                layers, optimizer, ema, heap_threshold=heap,
+                                accumulative_counts=counts)
+                else:
+                    trace = trace_of(wrapping, layout, model, batch, args.world_size[0])
+            except Exception as e:  # the model's code, traced: say where
+                failed = f'tracing the training step failed: {type(e).__name__}: {e}'
+    if failed and budget is not None:  # nothing to list without a traced step: say why, briefly
+        raise SystemExit(f'{PROG}: error: --fit-memory needs one training step traced; {failed}')
+    if failed:  # the model states still hold: print them, and why no step
+        reason = f'activations not traced: {failed}; --no-trace skips the trace'
+        return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
+                [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
+    if budget is not None:
+        return (_fit_text(found, budget, size, layers) + f'\nbatch: {source}',
+                _fit_json(found, budget, source))
     steps = [step_peak(p, trace, size, heap) for p in plans]
-    text = '\n\n'.join(format_plan(p) + '\n' + format_step(s) for p, s in zip(plans, steps))
-    return text, [dict(plan_to_dict(p), step=s.to_dict()) for p, s in zip(plans, steps)]
+    text = '\n\n'.join(f'{format_plan(p)}\n{format_step(s)}\nbatch: {source}'
+                       for p, s in zip(plans, steps))
+    return text, [dict(plan_to_dict(p), step=dict(s.to_dict(), batch=source))
+                  for p, s in zip(plans, steps)]
+
+
+def _batch(args: argparse.Namespace, cfg: Any, scope: str) -> Tuple[Any, int, str]:
+    """The traced step's batch, its size per rank and what it stands for."""
+    if args.input_shape:
+        shape = [int(s) for s in args.input_shape.replace('x', ',').split(',')]
+        return (*shape_batch(shape, DTYPES[args.input_dtype], args.batch_size),
+                f"inputs of shape {args.input_shape} (--input-shape), mode='tensor'")
+    loader = cfg.get('train_dataloader') or {}
+    notes = worst_case_dataset(loader.get('dataset') or {})[1]
+    largest = f" at the pipeline's largest scale ({'; '.join(notes)})" if notes else ''
+    return (*config_batch(loader, scope, args.batch_size),
+            f'one sample of train_dataloader.dataset{largest}, repeated')
 
 
 def _checkpointed(layout: Optional[Layout], model: nn.Module, layer_cls: List[str]) -> Any:
@@ -190,14 +208,9 @@ def _checkpointed(layout: Optional[Layout], model: nn.Module, layer_cls: List[st
         checkpointing=ActivationCheckpointing(layer_cls=tuple(layer_cls)) if classes else None)
 
 
-def _why_no_trace(error: Exception) -> str:
-    return (f'{type(error).__name__}: {error} (where the training dataset is not on this '
-            'machine, --input-shape gives the inputs directly, e.g. 32,3,224,224)')
-
-
-def _fit_json(found: list, budget: int) -> List[Dict[str, Any]]:
+def _fit_json(found: list, budget: int, source: str) -> List[Dict[str, Any]]:
     return [dict(world_size=c.world_size, strategy=c.label, model_wrapper_cfg=c.wrapper_cfg,
-                 fits=c.peak_bytes <= budget, **c.step.to_dict()) for c in found]
+                 fits=c.peak_bytes <= budget, batch=source, **c.step.to_dict()) for c in found]
 
 
 def _fit_text(found: list, budget: int, batch_size: int, layers: Sequence[str] = ()) -> str:

@@ -1,9 +1,10 @@
 """The batch a traced step runs on, from the config's dataset or ``--input-shape``.
 
-One sample, collated and preprocessed as ``train_step`` does (``docs/plan.md``).
+One sample, collated and preprocessed as ``train_step`` does, through the
+pipeline at its largest scale (``docs/plan.md``).
 """
 import functools
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from mmengine.registry import DATASETS, FUNCTIONS, DefaultScope
@@ -11,21 +12,125 @@ from torch import nn
 
 from .trace import BatchFn
 
-__all__ = ['config_batch', 'shape_batch']
+__all__ = ['config_batch', 'largest_pipeline', 'shape_batch', 'worst_case_dataset']
 
 KEY = 'train_dataloader'
 
 
+def _pair(scale: Any) -> Tuple[int, int]:
+    return (scale, scale) if isinstance(scale, (int, float)) else tuple(scale)
+
+
+def _resize(transform: Mapping[str, Any], scale: Tuple[float, float], kind: str) -> Dict[str, Any]:
+    """``Resize`` to exactly ``scale`` (w, h): of every aspect ratio, the largest image."""
+    kept = {k: v for k, v in transform.items()
+            if k not in ('type', 'scale', 'scales', 'ratio_range', 'keep_ratio', 'resize_type')}
+    return dict(kept, type=kind, scale=(int(scale[0]), int(scale[1])), keep_ratio=False)
+
+
+def _largest(transform: Mapping[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """The transforms that produce ``transform``'s largest image (``None``: it draws no size).
+
+    mmcv's and mmdet's conventions: a scale is (w, h), or (long, short) edges
+    under ``keep_ratio``, whose largest image has the aspect ratio of the scale
+    itself; ``RandomResize`` draws each edge between its two scales, or
+    multiplies one by a ratio of ``ratio_range``; ``RandomCrop`` sizes are (h, w).
+    """
+    kind = str(transform.get('type', '')).split('.')[-1]
+    resize = transform.get('resize_type', 'Resize')
+    keep = transform.get('keep_ratio', False)
+    if kind == 'RandomChoiceResize':
+        scales = [_pair(s) for s in transform['scales']]
+        scales = [(max(s), min(s)) for s in scales] if keep else scales
+        return [_resize(transform, max(scales, key=lambda s: s[0] * s[1]), resize)]
+    if kind == 'RandomResize' and transform.get('ratio_range'):
+        scale, ratio = _pair(transform['scale']), max(transform['ratio_range'])
+        scale = (max(scale), min(scale)) if keep else scale
+        return [_resize(transform, (scale[0] * ratio, scale[1] * ratio), resize)]
+    if kind == 'RandomResize':
+        scales = [_pair(s) for s in transform['scale']]
+        return [_resize(transform, (max(map(max, scales)), max(map(min, scales))), resize)]
+    if kind == 'Resize' and keep and transform.get('scale') is not None:
+        scale = _pair(transform['scale'])
+        return [_resize(transform, (max(scale), min(scale)), transform['type'])]
+    if kind == 'RandomCrop' and transform.get('crop_type') == 'absolute_range':
+        side = max(transform['crop_size'])
+        return [dict(transform, crop_type='absolute', crop_size=(side, side))]
+    if kind == 'RandomCrop' and transform.get('crop_type') == 'relative_range':
+        return []  # a fraction of the image up to all of it: the whole image
+    if kind == 'RandomChoice':
+        return max((largest_pipeline(branch)[0] for branch in transform['transforms']),
+                   key=_area)
+    return None
+
+
+def _area(pipeline: Sequence[Mapping[str, Any]]) -> int:
+    """The area of the image a rewritten pipeline ends with (0: it sets no size)."""
+    w = h = 0
+    for t in pipeline:
+        kind = str(t.get('type', '')).split('.')[-1]
+        if t.get('scale') is not None and not t.get('keep_ratio', False):
+            w, h = _pair(t['scale'])
+        elif kind == 'RandomCrop' and t.get('crop_type', 'absolute') == 'absolute' and w:
+            w, h = min(w, t['crop_size'][1]), min(h, t['crop_size'][0])
+    return w * h
+
+
+def largest_pipeline(pipeline: Sequence[Any]) -> Tuple[List[Any], List[str]]:
+    """``pipeline`` (a list of transform configs, left as it is) drawing its largest images.
+
+    Returns the new list and a note per transform changed.
+    """
+    out: List[Any] = []
+    notes = []
+    for transform in pipeline:
+        largest = _largest(transform) if isinstance(transform, Mapping) else None
+        if largest is None:
+            out.append(transform)
+            continue
+        out += largest
+        made = ', '.join(f"{t['type']} {'x'.join(map(str, t.get('scale', t.get('crop_size', ()))))}"
+                         for t in largest) or 'none'
+        notes.append(f"{transform['type']} -> {made}")
+    return out, notes
+
+
+def worst_case_dataset(dataset_cfg: Any) -> Tuple[Any, List[str]]:
+    """A copy of a dataset config whose every ``pipeline`` draws its largest images.
+
+    Detection and segmentation pipelines draw a scale per sample
+    (``RandomChoiceResize``, ``RandomResize``, crops); one sample at a drawn
+    scale under-predicts the step. Returns the copy and what changed.
+    """
+    notes: List[str] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: (_noted(largest_pipeline(v), notes) if k == 'pipeline' else walk(v))
+                    for k, v in value.items()}
+        return [walk(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    return walk(dataset_cfg), notes
+
+
+def _noted(result: Tuple[List[Any], List[str]], notes: List[str]) -> List[Any]:
+    notes += result[1]
+    return result[0]
+
+
 def config_batch(dataloader_cfg: Mapping[str, Any], scope: str,
                  batch_size: Optional[int] = None) -> Tuple[BatchFn, int]:
-    """The batch of a ``train_dataloader`` config: ``(batch function, batch size)``."""
+    """The batch of a ``train_dataloader`` config: ``(batch function, batch size)``.
+
+    The pipeline draws its largest images (:func:`worst_case_dataset`).
+    """
     if not dataloader_cfg or 'dataset' not in dataloader_cfg:
         raise ValueError(f'{KEY}.dataset: the config has no training dataset to take a sample '
                          'from; pass --input-shape to give the inputs directly')
     size = int(batch_size or dataloader_cfg.get('batch_size', 1))
     collate_cfg = dict(dataloader_cfg.get('collate_fn') or dict(type='pseudo_collate'))
     with DefaultScope.overwrite_default_scope(scope):
-        dataset = DATASETS.build(dataloader_cfg['dataset'])
+        dataset = DATASETS.build(worst_case_dataset(dataloader_cfg['dataset'])[0])
         kind = collate_cfg.pop('type')
         collate = FUNCTIONS.get(kind) if isinstance(kind, str) else kind
     if collate is None:

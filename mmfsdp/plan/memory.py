@@ -2,10 +2,14 @@
 
 Model-state memory is a function of the unit plan, the dtypes and the world
 size, so it can be computed exactly on a model built on the meta device,
-without a process group. The estimate of the peak adds the gathered
+without a process group. Frozen parameters (``requires_grad=False``, as
+mmdet's ``frozen_stages``) are held and gathered but get no gradient and no
+optimizer state, except that FSDP1 keeps a gradient for a whole flat unit
+where any of its parameters trains. The estimate of the peak adds the gathered
 parameters in flight (2 x the largest unit: the one computing and the one
 prefetched); activations depend on the batch and are not included.
 """
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from ..wrappers.base import Construction, Padding, ShardingSpec
+from ..wrappers.fsdp import NAME as FSDP1
 
 __all__ = ['Plan', 'Unit', 'make_plan', 'optimizer_states_per_param']
 
@@ -43,8 +48,9 @@ class Unit:
     #: Bytes of this unit's parameters when gathered for compute.
     gathered_bytes: int
     #: Bytes of this unit's unsharded gradient as the wrapper reduces it: in the
-    #: mixed-precision ``reduce_dtype`` (FSDP copies the gradients into a buffer
-    #: of that dtype for the reduce-scatter), else as gathered.
+    #: larger of the compute dtype and the mixed-precision ``reduce_dtype`` (FSDP
+    #: copies the gradients into a buffer of that dtype for the reduce-scatter);
+    #: 0 for a frozen unit.
     reduced_bytes: int = 0
 
     @property
@@ -86,7 +92,7 @@ class Plan:
     @property
     def reduced_in_flight_bytes(self) -> int:
         """The largest unsharded gradient being reduced (a reduce-scatter's input)."""
-        return max(max(u.reduced_bytes, u.gathered_bytes) for u in self.units)
+        return max(u.reduced_bytes for u in self.units)
 
     @property
     def root(self) -> Unit:
@@ -149,6 +155,22 @@ def _shard_numel(params: List[nn.Parameter], spec: ShardingSpec, sharded: bool) 
                if p.dim() else p.numel() for p in params)
 
 
+def _optimizer_numel(params: List[nn.Parameter], spec: ShardingSpec) -> int:
+    """Optimizer state elements on the rank holding the most: the trainable part of its shard.
+
+    FSDP1 splits the flat unit evenly, so where frozen and trainable parameters
+    share a unit, one rank may hold only trainable ones.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    if spec.padding is not Padding.FLAT or len(trainable) == len(params):
+        return _shard_numel(trainable, spec, True)
+    chunk = -(-sum(p.numel() for p in params) // spec.shard_size)
+    ends = list(itertools.accumulate(p.numel() for p in params))
+    spans = [(end - p.numel(), end) for p, end in zip(params, ends) if p.requires_grad]
+    return max(sum(max(0, min(end, (r + 1) * chunk) - max(start, r * chunk))
+                   for start, end in spans) for r in range(spec.shard_size))
+
+
 def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.Parameter]]:
     """Each unit's parameters, each parameter in the first unit (children first) reaching it."""
     owner: Dict[int, str] = {}
@@ -179,7 +201,7 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     grads_sharded = not (accumulative_counts > 1 and spec.unsharded_accumulation)
     grouped = _unit_params(model, spec.units)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    units = []
+    units, trained = [], 0
     for name, params in sorted(grouped.items(), key=lambda item: order[item[0]]):
         if not params and name:
             continue
@@ -188,20 +210,25 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
         compute_bytes = (torch.empty((), dtype=spec.compute_dtype).element_size()
                          if spec.compute_dtype and name not in spec.fp32_units else dtype_bytes)
         numel = sum(p.numel() for p in params)
+        # FSDP1 keeps one gradient for its flat unit, none where no parameter trains
+        trainable = [p for p in params if p.requires_grad]
+        with_grads = params if spec.wrapper == FSDP1 and trainable else trainable
         param_numel = _shard_numel(params, spec, True)
-        grad_numel = _shard_numel(params, spec, grads_sharded)
-        optim_numel = _shard_numel(params, spec, True)
+        grad_numel = _shard_numel(with_grads, spec, grads_sharded)
         module = model.get_submodule(name) if name else model
         # Modules kept in fp32 reduce in fp32 too; the others in reduce_dtype when one is set.
         reduce_bytes = (torch.empty((), dtype=reduce_dtype).element_size()
                         if reduce_dtype is not None and name not in spec.fp32_units
                         else compute_bytes)
+        trained += sum(p.numel() for p in trainable)
         units.append(Unit(name=name, cls=type(module).__name__, numel=numel,
                           param_bytes=param_numel * dtype_bytes,
                           grad_bytes=grad_numel * dtype_bytes,
-                          optimizer_bytes=optim_numel * dtype_bytes * optimizer_states,
+                          optimizer_bytes=(_optimizer_numel(params, spec) * dtype_bytes
+                                           * optimizer_states),
                           gathered_bytes=numel * compute_bytes,
-                          reduced_bytes=numel * reduce_bytes))
+                          reduced_bytes=(sum(p.numel() for p in with_grads)
+                                         * max(reduce_bytes, compute_bytes))))
     names: Dict[int, List[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -213,7 +240,7 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     total = sum(u.numel for u in units)
     elem = next(model.parameters()).element_size() if total else 4
     return Plan(spec=spec, world_size=world_size, units=tuple(units), shared=shared, numel=total,
-                unsharded_bytes=total * elem * (2 + optimizer_states + int(ema)),
+                unsharded_bytes=elem * (total * (1 + int(ema)) + trained * (1 + optimizer_states)),
                 root_modules=root_modules, element_bytes=elem,
                 ema_bytes_per_rank=sum(u.param_bytes for u in units) if ema else 0,
                 accumulative_counts=accumulative_counts)

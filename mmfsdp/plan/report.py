@@ -137,6 +137,9 @@ def format_step(step: 'StepPeak', max_units: int = 8) -> str:
         f'largest transient {_size(step.transient_bytes)}',
         'activations kept for backward, by unit: ' + shown +
         (f' and {more} more' if more > 0 else '')] +
+        ([f'measured on real CPU tensors, not traced (the code needs tensor values; random '
+          f"weights, the batch's own targets): {'; '.join(trace.real_parts)}"]
+         if trace.real_parts else []) +
         ([f'gradients ({_size(step.freed_grad_bytes)}) are freed between steps: backward '
           'creates them as it frees the activations, so the peak counts the larger of the two']
          if step.freed_grad_bytes else []) +

@@ -102,7 +102,7 @@ class StepPeak:
                     grads_freed_between_steps_bytes=self.freed_grad_bytes,
                     heap_threshold_bytes=self.heap_threshold,
                     heap_activation_bytes=self.heap_activation_bytes,
-                    peak_bytes=self.total_bytes,
+                    peak_bytes=self.total_bytes, real_parts=list(self.trace.real_parts),
                     activation_bytes_by_unit={k or '(root)': v
                                               for k, v in self.trace.by_unit.items()})
 

@@ -470,6 +470,16 @@ def test_fake_tensor_mode_computes_shapes_without_storage():
     assert type(y).__name__ == 'FakeTensor'
 
 
+def test_fake_tensors_are_told_apart_and_real_ones_made_inside_fake_mode():
+    with compat.fake_tensor_mode():
+        fake = torch.empty(3)
+        with compat.dispatch_modes_off():
+            real = torch.ones(3)
+            assert not compat.is_fake(real) and real.sum().item() == 3.0
+        assert compat.is_fake(fake) and compat.is_fake(fake + 1)
+    assert not compat.is_fake(real)
+
+
 def test_fsdp1_no_sync_toggles_the_flag_its_backward_reads():
     from torch.distributed.fsdp import _runtime_utils
     assert 'm._sync_gradients = False' in _source(FullyShardedDataParallel.no_sync), \

@@ -100,3 +100,99 @@ def test_the_cli_resolves_once_and_lays_out_once_for_every_world_size(tmp_path, 
     assert [p['world_size'] for p in plans] == [1, 8, 64]
     assert all(p['step'] is not None for p in plans)  # the trace used the same layout
     assert dict(counts) == dict(resolutions=1, layouts=1)
+
+
+# ---- detectors and segmenters as mmdet and mmseg build them -----------------------------------
+
+import pytest  # noqa: E402
+from mmengine.model import BaseModel  # noqa: E402
+from mmengine.registry import DATASETS, MODELS  # noqa: E402
+
+
+@MODELS.register_module(name='PlanTestSegmentor', force=True)
+class Segmentor(BaseModel):
+    """mmseg's shape: a backbone whose stem is frozen and whose norms stay in eval mode, and a
+    decode head whose loss stacks the label maps and drops ignored pixels by a boolean mask."""
+
+    def __init__(self, data_preprocessor=None, fail=''):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.decode_head = nn.Conv2d(8, 3, 1)
+        self.stem.requires_grad_(False)
+        self.fail = fail
+
+    def train(self, mode=True):
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return self
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        logits = self.decode_head(self.block(self.stem(inputs)))
+        if mode != 'loss':
+            return logits
+        if self.fail:
+            raise ValueError(self.fail)
+        labels = torch.stack(data_samples)
+        valid = labels != 255
+        return dict(loss_seg=nn.functional.cross_entropy(logits.permute(0, 2, 3, 1)[valid],
+                                                         labels[valid]))
+
+
+@DATASETS.register_module(name='PlanTestSegments', force=True)
+class Segments(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        labels = torch.zeros(16, 16, dtype=torch.long)
+        labels[:4] = 255
+        return dict(inputs=torch.zeros(3, 16, 16, dtype=torch.uint8), data_samples=labels)
+
+
+def _segmentor_config(tmp_path, **model):
+    config = tmp_path / 'segmentor.py'
+    config.write_text(
+        f'model = dict(type="PlanTestSegmentor", **{model!r})\n'
+        'data_preprocessor = dict(type="ImgDataPreprocessor", mean=[0, 0, 0], std=[1, 1, 1])\n'
+        'train_dataloader = dict(batch_size=2, dataset=dict(type="PlanTestSegments"), '
+        'collate_fn=dict(type="pseudo_collate"))\n'
+        'model_wrapper_cfg = dict(type="mmfsdp.MMFullyShard")\n'
+        'optim_wrapper = dict(optimizer=dict(type="AdamW", lr=1e-3))\n')
+    return str(config)
+
+
+def test_fit_memory_answers_for_a_frozen_segmentor_with_a_masked_loss(tmp_path, capsys):
+    from mmfsdp.plan.__main__ import main
+    capsys.readouterr()
+    main([_segmentor_config(tmp_path), '--world-size', '1', '2', '--fit-memory', '1GiB'])
+    out = capsys.readouterr().out
+    assert 'smallest that fits: 1 ranks, DDP' in out
+    main([_segmentor_config(tmp_path), '--world-size', '2'])
+    out = capsys.readouterr().out
+    # the model's own forward reads the mask: it ran on real tensors, and the plan says so
+    assert ('measured on real CPU tensors, not traced (the code needs tensor values; random '
+            "weights, the batch's own targets): (root).forward (DynamicOutputShapeException: "
+            'aten.nonzero.default at tests/unit/test_plan.py:') in out
+    assert 'batch: one sample of train_dataloader.dataset, repeated' in out
+
+
+def test_a_model_that_fails_is_named_not_the_dataset(tmp_path, capsys):
+    from mmfsdp.plan.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main([_segmentor_config(tmp_path, fail='anchors outside the image'), '--fit-memory',
+              '1GiB'])
+    message = str(exit_.value)
+    assert 'ValueError: anchors outside the image at tests/unit/test_plan.py:' in message, message
+    assert 'dataset' not in message
+    assert '(root).forward cannot be traced (ValueError' in message
+    # where the batch cannot be made, the dataset hint stays
+    config = _segmentor_config(tmp_path)
+    with open(config, 'a') as f:
+        f.write('train_dataloader.update(dataset=dict(type="CocoDataset"))\n')
+    main([config, '--world-size', '2'])
+    out = capsys.readouterr().out
+    assert 'activations not traced: KeyError' in out
+    assert 'where the training dataset is not on this machine' in out

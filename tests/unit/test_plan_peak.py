@@ -9,7 +9,7 @@ from mmfsdp.plan.allocator import GLIBC_MAX_MMAP_THRESHOLD
 from mmfsdp.plan.batch import config_batch, shape_batch
 from mmfsdp.plan.fit import parse_bytes
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
-from vision import IMAGES, PREPROCESSOR, ConvBNClassifier
+from vision import IMAGES, PREPROCESSOR, Block, ConvBNClassifier
 
 BLOCKS = dict(type='transformer', layer_cls=['TransformerBlock'])
 FSDP = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS)
@@ -228,3 +228,253 @@ def test_gradients_in_flight_are_counted_in_the_reduce_dtype():
     fp32 = plan_for(MMFullyShard, dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS),
                     model, 2, dict(type='AdamW'))
     assert all(u.reduced_bytes == u.gathered_bytes for u in fp32.units)
+
+
+# ---- detectors and segmenters: frozen stages, norms in eval mode, losses that read values ----
+
+
+class FrozenStemNet(torch.nn.Module):
+    """mmdet's backbone defaults: stem and first stage frozen (``frozen_stages=1``) and every
+    BatchNorm in eval mode while training (``norm_eval=True``)."""
+
+    def __init__(self, frozen: bool = True) -> None:
+        super().__init__()
+        conv, bn = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        self.stem = torch.nn.Sequential(conv, bn, torch.nn.ReLU())
+        self.blocks = torch.nn.Sequential(Block(8), Block(8))
+        self.head = torch.nn.Linear(8, 4)
+        if frozen:
+            self.stem.requires_grad_(False)
+            self.blocks[0].requires_grad_(False)
+
+    def train(self, mode: bool = True) -> 'FrozenStemNet':
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.eval()
+        return self
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(inputs)).mean((2, 3)))
+
+
+class MaskedLossHead(torch.nn.Module):
+    """A dense head whose loss reads values, as detection and segmentation losses do: the
+    ignored pixels dropped by a boolean mask (``aten.nonzero``), the count taken by ``.item()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 5, 1)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.conv(x).permute(0, 2, 3, 1)
+        valid = labels != 255
+        count = valid.sum().item()
+        picked = logits[valid]
+        return dict(loss_cls=torch.nn.functional.cross_entropy(
+            picked, labels[valid], reduction='sum') / max(count, 1))
+
+
+class MaskedLossNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = torch.nn.Sequential(Block(8), Block(8))
+        self.head = MaskedLossHead()
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        return self.head.loss(self.blocks(self.stem(inputs)), labels)
+
+
+BLOCK_UNITS = dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=dict(
+    type='module_types', module_cls=['Block']))
+
+
+def _images(n=4, size=16):
+    torch.manual_seed(0)
+    images = torch.randn(n, 3, size, size)
+    labels = torch.randint(0, 5, (n, size, size))
+    labels[:, :, : size // 4] = 255  # a quarter of every image ignored
+    return images, labels
+
+
+def _measured(model: torch.nn.Module, args: tuple) -> tuple:
+    """(activations, peak) of one real step on the CPU, counted as the trace counts."""
+    from mmfsdp.plan.trace import _LiveBytes, _loss
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, 'grad', None))
+    live = _LiveBytes()
+    with live:
+        loss = _loss(model.train()(*args))
+        activations = live.current
+        loss.backward()
+    return activations, live.peak
+
+
+def test_a_frozen_stem_with_eval_norms_traces_as_training_runs_it():
+    images, _ = _images()
+    seen = {}
+    model = FrozenStemNet()
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.register_forward_hook(functools.partial(
+                lambda m, args, out, name: seen.update({name: m.training}), name=name))
+    frozen = trace_for(MMFullyShard, BLOCK_UNITS, model, lambda m: ((images, ), {}))
+    assert seen and not any(seen.values())  # norm_eval: every BatchNorm in eval mode
+    trained = trace_for(MMFullyShard, BLOCK_UNITS, FrozenStemNet(frozen=False),
+                        lambda m: ((images, ), {}))
+    # nothing before the first trainable layer needs its input kept for backward
+    assert frozen.activation_bytes < trained.activation_bytes
+    assert (frozen.activation_bytes, frozen.peak_bytes) == _measured(FrozenStemNet(), (images, ))
+
+
+def test_frozen_parameters_have_no_gradient_and_no_optimizer_state():
+    model = FrozenStemNet()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    adamw = dict(type='AdamW')
+    fsdp2 = plan_for(MMFullyShard, BLOCK_UNITS, model, 2, adamw)
+    fsdp1 = plan_for(MMFullyShardedDataParallel, dict(BLOCK_UNITS, type=FSDP['type']), model, 2,
+                     adamw)
+    ddp = plan_for(MMDistributedDataParallel, dict(type='mmfsdp.MMDistributedDataParallel'),
+                   model, 2, adamw)
+    units = {u.name: u for u in fsdp2.units}
+    assert units['blocks.0'].param_bytes > 0  # frozen: held, gathered, never reduced
+    assert units['blocks.0'].grad_bytes == units['blocks.0'].optimizer_bytes == 0
+    assert units['blocks.0'].reduced_bytes == 0
+    head = model.head.weight.numel() + model.head.bias.numel()  # the root's trainable part
+    assert units[''].grad_bytes == (4 * 8 // 2 + 4 // 2) * 4 and units[''].reduced_bytes == head * 4
+    assert units[''].optimizer_bytes == 2 * units[''].grad_bytes
+    assert sum(u.grad_bytes for u in ddp.units) == 4 * sum(
+        p.numel() for n, p in model.named_parameters() if n in trainable)
+    # FSDP1 flattens a unit: a gradient for the whole flat shard where any parameter trains,
+    # optimizer state for the trainable elements of the rank holding the most of them
+    flat = {u.name: u for u in fsdp1.units}
+    assert flat['blocks.0'].grad_bytes == flat['blocks.0'].optimizer_bytes == 0
+    root_numel = flat[''].numel
+    assert flat[''].grad_bytes == -(-root_numel // 2) * 4
+    assert flat[''].optimizer_bytes == 2 * 4 * min(head, -(-root_numel // 2))
+    assert fsdp2.unsharded_bytes == 4 * (fsdp2.numel + 3 * sum(
+        p.numel() for n, p in model.named_parameters() if n in trainable))
+
+
+def test_a_loss_that_reads_values_runs_on_real_tensors_inside_the_trace():
+    images, labels = _images()
+    trace = trace_for(MMFullyShard, BLOCK_UNITS, MaskedLossNet(),
+                      lambda m: ((images, labels), {}))
+    (part, ) = trace.real_parts
+    # the head's loss, named with the first value it read
+    assert part.startswith('head.loss (') and 'test_plan_peak.py' in part, part
+    assert 'aten._local_scalar_dense' in part  # .item(), before the boolean mask
+    # measured there as a real step measures it (the trace frees a few tensors later: 0.6 %)
+    activations, peak = _measured(MaskedLossNet(), (images, labels))
+    assert trace.activation_bytes - activations == 4  # the scalar that joins the two graphs
+    assert 0 <= trace.peak_bytes - peak < 0.01 * peak
+
+
+def test_a_part_on_real_tensors_is_bounded():
+    from mmfsdp.plan.trace import trace_step
+    images, labels = _images()
+    with pytest.raises(RuntimeError, match=r'head\.loss.*more than 1\.0 KiB.*--input-shape'):
+        trace_step(MaskedLossNet(), lambda m: ((images, labels), {}), real_bytes_limit=1024)
+
+
+# ---- the pipeline at its largest scale (mmdet 3.3.0's and mmseg 1.2.2's shipped pipelines) ----
+
+LOAD = [dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', with_bbox=True)]
+PACK = [dict(type='RandomFlip', prob=0.5), dict(type='PackDetInputs')]
+# retinanet_r50_fpn_ms-640-800-3x_coco.py
+MULTI_SCALE = [*LOAD, dict(type='RandomChoiceResize',
+                           scales=[(1333, 640), (1333, 672), (1333, 704), (1333, 736),
+                                   (1333, 768), (1333, 800)], keep_ratio=True), *PACK]
+# faster-rcnn_r50_fpn_mstrain-... : RandomResize between two scales
+RANGE = [*LOAD, dict(type='RandomResize', scale=[(1333, 640), (1333, 800)], keep_ratio=True), *PACK]
+# common/lsj-100e_coco-detection.py (large scale jitter)
+LSJ = [*LOAD, dict(type='RandomResize', scale=(1024, 1024), ratio_range=(0.1, 2.0),
+                   keep_ratio=True),
+       dict(type='RandomCrop', crop_type='absolute_range', crop_size=(1024, 1024),
+            recompute_bbox=True, allow_negative_crop=True),
+       dict(type='FilterAnnotations', min_gt_bbox_wh=(1e-2, 1e-2)), *PACK]
+# detr/detr_r50_8xb2-150e_coco.py
+DETR = [*LOAD, dict(type='RandomFlip', prob=0.5), dict(type='RandomChoice', transforms=[
+    [dict(type='RandomChoiceResize', scales=[(480, 1333), (512, 1333), (544, 1333), (576, 1333),
+                                             (608, 1333), (640, 1333), (672, 1333), (704, 1333),
+                                             (736, 1333), (768, 1333), (800, 1333)],
+          keep_ratio=True)],
+    [dict(type='RandomChoiceResize', scales=[(400, 1333), (500, 1333), (600, 1333)],
+          keep_ratio=True),
+     dict(type='RandomCrop', crop_type='absolute_range', crop_size=(384, 600),
+          allow_negative_crop=True),
+     dict(type='RandomChoiceResize', scales=[(480, 1333), (512, 1333), (544, 1333)],
+          keep_ratio=True)]]), dict(type='PackDetInputs')]
+# mmseg _base_/datasets/cityscapes.py
+CITYSCAPES = [dict(type='LoadImageFromFile'), dict(type='LoadAnnotations'),
+              dict(type='RandomResize', scale=(2048, 1024), ratio_range=(0.5, 2.0),
+                   keep_ratio=True),
+              dict(type='RandomCrop', crop_size=(512, 1024), cat_max_ratio=0.75),
+              dict(type='RandomFlip', prob=0.5), dict(type='PhotoMetricDistortion'),
+              dict(type='PackSegInputs')]
+
+
+def test_a_pipeline_that_draws_scales_is_planned_at_its_largest():
+    from mmfsdp.plan.batch import largest_pipeline, worst_case_dataset
+
+    def sizes(pipeline):
+        return [(t['type'], t.get('scale', t.get('crop_size')), t.get('keep_ratio'))
+                for t in largest_pipeline(pipeline)[0] if 'scale' in t or 'crop_size' in t]
+
+    # keep_ratio: a (long, short) box, whose largest image has its aspect ratio: exactly it
+    assert sizes(MULTI_SCALE) == [('Resize', (1333, 800), False)]
+    assert sizes(RANGE) == [('Resize', (1333, 800), False)]
+    assert sizes(LSJ) == [('Resize', (2048, 2048), False), ('RandomCrop', (1024, 1024), None)]
+    assert sizes(CITYSCAPES) == [('Resize', (4096, 2048), False),
+                                 ('RandomCrop', (512, 1024), None)]
+    # RandomChoice: the branch ending with the larger image (both 1333 x 800 here: the first)
+    assert sizes(DETR) == [('Resize', (1333, 800), False)]
+    # a deterministic keep-ratio Resize is image-dependent too: its largest image
+    assert sizes([dict(type='Resize', scale=(1333, 800), keep_ratio=True)]) == [
+        ('Resize', (1333, 800), False)]
+    assert largest_pipeline(PACK) == (PACK, [])
+    # nested in dataset wrappers, the config left as it is
+    cfg = dict(type='RepeatDataset', times=3, dataset=dict(type='CocoDataset', pipeline=LSJ))
+    copy, notes = worst_case_dataset(cfg)
+    assert cfg['dataset']['pipeline'] is LSJ and LSJ[2]['type'] == 'RandomResize'
+    assert copy['dataset']['pipeline'][2]['scale'] == (2048, 2048)
+    assert notes == ['RandomResize -> Resize 2048x2048', 'RandomCrop -> RandomCrop 1024x1024']
+
+
+def test_the_config_batch_is_drawn_at_the_largest_scale():
+    import numpy as np
+    from mmengine.dataset import Compose
+    from mmengine.model import BaseDataPreprocessor
+    from mmengine.registry import DATASETS, TRANSFORMS
+    from torch.utils.data import Dataset
+
+    @TRANSFORMS.register_module(name='PlanTestResize', force=True)
+    def resize(scale, keep_ratio):  # noqa: ARG001 (mmcv's Resize, keep_ratio=False)
+        return lambda results: dict(results, img=np.zeros((scale[1], scale[0], 3), np.uint8))
+
+    @TRANSFORMS.register_module(name='PlanTestPack', force=True)
+    def pack():
+        return lambda results: dict(inputs=torch.from_numpy(results['img']).permute(2, 0, 1),
+                                    data_samples=0)
+
+    @DATASETS.register_module(name='PlanTestImages', force=True)
+    class Images(Dataset):
+        def __init__(self, pipeline):
+            self.pipeline = Compose(pipeline)
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return self.pipeline(dict(img=np.zeros((30, 40, 3), np.uint8)))
+
+    pipeline = [dict(type='RandomChoiceResize', scales=[(64, 32), (80, 48), (72, 40)],
+                     keep_ratio=True, resize_type='PlanTestResize'), dict(type='PlanTestPack')]
+    batch, size = config_batch(dict(batch_size=2, dataset=dict(type='PlanTestImages',
+                                                               pipeline=pipeline)), 'mmengine')
+    holder = torch.nn.Module()
+    holder.data_preprocessor = BaseDataPreprocessor()
+    _, kwargs = batch(holder)
+    assert size == 2 and [tuple(t.shape) for t in kwargs['inputs']] == [(3, 48, 80)] * 2
