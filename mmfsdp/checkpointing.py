@@ -35,9 +35,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .compat import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 from .options import one_or_many, option_dict, suggest
 
-__all__ = ['AC_KEY', 'ActivationCheckpointing', 'apply_activation_checkpointing_to',
-           'resolve_activation_checkpointing']
-
 AC_KEY = 'model_wrapper_cfg.activation_checkpointing'
 CHECKPOINT_MODES = ('full', 'selective', 'memory_budget')
 

@@ -17,8 +17,6 @@ import torch
 
 from .options import one_or_many, option_dict
 
-__all__ = ['COMPILE_KEY', 'RegionalCompile', 'resolve_regional_compile']
-
 COMPILE_KEY = 'model_wrapper_cfg.regional_compile'
 
 

@@ -16,11 +16,6 @@ from torch.distributed.fsdp import MixedPrecision
 
 from .compat import BATCH_NORM_BASE, fsdp1_fp32_classes
 
-__all__ = ['Accumulation', 'FP32_MODULES_DEFAULT', 'check_fp32_modules', 'check_keys',
-           'move_fp32_modules', 'one_or_many', 'option_dict', 'resolve_dtype',
-           'resolve_dtypes_and_flags', 'resolve_enum', 'resolve_flag', 'resolve_init_device',
-           'suggest']
-
 E = TypeVar('E', bound=enum.Enum)
 
 _DTYPES = {
@@ -41,7 +36,8 @@ def _choices(names: Iterable[str]) -> str:
     return ', '.join(repr(n) for n in names)
 
 
-def _got(value: Any) -> str:
+def got(value: Any) -> str:
+    """``got <type> <value>``, the end of a message about a value of the wrong type."""
     return f'got {type(value).__name__} {value!r}'
 
 
@@ -62,7 +58,7 @@ def check_keys(given: Mapping[str, Any], valid: Iterable[str], key: str) -> None
 def option_dict(value: Any, valid: Iterable[str], key: str, expected: str) -> Mapping[str, Any]:
     """``value``, a dict of options under ``key``; ``TypeError`` naming ``expected`` otherwise."""
     if not isinstance(value, Mapping):
-        raise TypeError(f'{key}: expected {expected}, {_got(value)}')
+        raise TypeError(f'{key}: expected {expected}, {got(value)}')
     check_keys(value, valid, key)
     return value
 
@@ -76,7 +72,7 @@ def resolve_dtype(value: Union[str, torch.dtype, None], key: str) -> Optional[to
             raise ValueError(f'{key}: {value} is not a floating-point dtype')
         return value
     if not isinstance(value, str):
-        raise TypeError(f'{key}: expected a dtype name or torch.dtype, {_got(value)}')
+        raise TypeError(f'{key}: expected a dtype name or torch.dtype, {got(value)}')
     dtype = _DTYPES.get(value.lower())
     if dtype is None:
         raise ValueError(f'{key}: {value!r} is not a dtype{suggest(value, _DTYPES)}; '
@@ -96,7 +92,7 @@ def resolve_enum(value: Union[str, E], enum_cls: Type[E], key: str,
                                      for m in enum_cls}}
     if not isinstance(value, str):
         raise TypeError(f'{key}: expected one of {_choices(choices)} or a '
-                        f'{enum_cls.__name__}, {_got(value)}')
+                        f'{enum_cls.__name__}, {got(value)}')
     member = {name.lower(): m for name, m in choices.items()}.get(value.lower())
     if member is None:
         raise ValueError(f'{key}: {value!r} is not valid{suggest(value, choices)}; '
@@ -107,7 +103,7 @@ def resolve_enum(value: Union[str, E], enum_cls: Type[E], key: str,
 def resolve_flag(value: Any, key: str) -> bool:
     """A ``bool`` option; anything else (``"yes"``, ``1``) is a ``TypeError``."""
     if not isinstance(value, bool):
-        raise TypeError(f'{key}: expected True or False, {_got(value)}')
+        raise TypeError(f'{key}: expected True or False, {got(value)}')
     return value
 
 
@@ -184,7 +180,7 @@ def check_fp32_modules(value: Any) -> Tuple[Any, ...]:
                         '(every _BatchNorm), or give [] to keep no module in fp32')
     if not isinstance(value, (str, type, list, tuple)):
         raise TypeError(f'{FP32_KEY}: expected a list of module class names or classes, '
-                        f'{_got(value)}')
+                        f'{got(value)}')
     for item in one_or_many(value):
         if not (isinstance(item, str) or isinstance(item, type) and issubclass(item, nn.Module)):
             raise TypeError(f'{FP32_KEY}: expected module class names (e.g. \'GroupNorm\') '

@@ -40,8 +40,6 @@ from torch import nn
 from .options import one_or_many, suggest
 from .registry import FSDP_WRAP_POLICIES
 
-__all__ = ['ModelIndex', 'WrapPolicy', 'build_wrap_policy', 'module_types', 'plan_units',
-           'size_based', 'transformer', 'within']
 
 def within(name: str, ancestor: str) -> bool:
     """Whether module ``name`` is ``ancestor`` or below it (``''`` is the root)."""

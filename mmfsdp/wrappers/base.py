@@ -30,6 +30,7 @@ from mmengine.model.utils import detect_anomalous_params
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .. import options
 from ..checkpointing import (
     AC_KEY,
     ActivationCheckpointing,
@@ -40,22 +41,8 @@ from ..compat import checkpoint_inner, dcp_drops_names, set_activation_memory_bu
 from ..compile import COMPILE_KEY, RegionalCompile, resolve_regional_compile
 from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
-from ..options import (
-    FP32_KEY,
-    FP32_MODULES_DEFAULT,
-    Accumulation,
-    check_fp32_modules,
-    check_keys,
-    move_fp32_modules,
-    resolve_enum,
-    resolve_flag,
-    resolve_init_device,
-)
+from ..options import Accumulation
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
-
-__all__ = ['Construction', 'Layout', 'MeshSpec', 'ModelHolder', 'NODE', 'Padding',
-           'ParallelWrapper', 'STEPS', 'ShardingSpec', 'WrapperConfig', 'is_parallel_wrapper',
-           'own_steps', 'prepare_layers', 'refuse_keyword_build', 'units_children_first']
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -293,12 +280,12 @@ def prepare_layers(model: nn.Module, layout: Layout) -> None:
 
 
 def _flag_or_none(value: Any, key: str) -> Optional[bool]:
-    return None if value is None else resolve_flag(value, key)
+    return None if value is None else options.resolve_flag(value, key)
 
 
 #: How a field is resolved from its annotation, when its config has no resolver for it.
-_BY_TYPE: Mapping[Any, Callable[[Any, str], Any]] = {bool: resolve_flag,
-                                                     Optional[bool]: _flag_or_none}
+_BY_TYPE: Mapping[Any, Callable[[Any, str], Any]] = {
+    bool: options.resolve_flag, Optional[bool]: _flag_or_none}
 
 
 @dataclass(frozen=True)
@@ -326,7 +313,7 @@ class WrapperConfig:
     accumulation: Accumulation = Accumulation.SHARDED
     #: ``mixed_precision.fp32_modules``: module classes (or their names) that
     #: compute in fp32 under a lower ``param_dtype``, each its own unit.
-    fp32_modules: Tuple[Any, ...] = FP32_MODULES_DEFAULT
+    fp32_modules: Tuple[Any, ...] = options.FP32_MODULES_DEFAULT
 
     #: ``option -> resolver`` (raising on bad input) of this config's own options.
     RESOLVERS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
@@ -348,17 +335,17 @@ class WrapperConfig:
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> Any:
         """Resolve a ``model_wrapper_cfg`` (without ``type``), raising on bad input."""
-        options = move_fp32_modules(cfg)
+        given = options.move_fp32_modules(cfg)
         types = {f.name: f.type for f in fields(cls)}
-        check_keys(options, types, 'model_wrapper_cfg')
+        options.check_keys(given, types, 'model_wrapper_cfg')
         resolvers = {**_RESOLVERS, **cls.RESOLVERS}
         resolved = {}
-        for name, value in options.items():
+        for name, value in given.items():
             key = f'model_wrapper_cfg.{name}'
             if name in resolvers:
                 resolved[name] = resolvers[name](value)
             elif isinstance(types[name], type) and issubclass(types[name], enum.Enum):
-                resolved[name] = resolve_enum(value, types[name], key)
+                resolved[name] = options.resolve_enum(value, types[name], key)
             else:
                 resolved[name] = _BY_TYPE.get(types[name], lambda v, _: v)(value, key)
         return cls(**resolved)
@@ -383,7 +370,7 @@ class WrapperConfig:
         roots = None
         if own_steps(module):
             roots = tuple(separate_roots(module, self.NAME, self.trainable_roots_only))
-        classes = index.classes_of(self.fp32_modules, FP32_KEY)  # names checked either way
+        classes = index.classes_of(self.fp32_modules, options.FP32_KEY)  # names checked either way
         low = self.compute_dtype is not None and self.compute_dtype.itemsize < 4
         kept = [n for n, m in index.modules.items() if low and isinstance(m, classes)]
         fp32 = tuple(n for n in kept if not any(within(n, k) for k in kept if k != n))
@@ -428,7 +415,7 @@ class WrapperConfig:
 _RESOLVERS: Mapping[str, Callable[[Any], Any]] = dict(
     activation_checkpointing=resolve_activation_checkpointing,
     regional_compile=resolve_regional_compile,
-    init_device=resolve_init_device, fp32_modules=check_fp32_modules)
+    init_device=options.resolve_init_device, fp32_modules=options.check_fp32_modules)
 
 
 def refuse_keyword_build(wrapper: type, config: Any, layout: Any, options: Mapping) -> None:
@@ -547,11 +534,6 @@ class ParallelWrapper(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their norm over all ranks; return it as a plain tensor."""
         return clip_grads_by_global_norm(self, self.parameters(), max_norm, norm_type)
-
-
-def is_parallel_wrapper(wrapper_cls: Any) -> bool:
-    """Whether ``wrapper_cls`` (a class) is one of mmfsdp's wrappers."""
-    return isinstance(wrapper_cls, type) and issubclass(wrapper_cls, ParallelWrapper)
 
 
 @dcp_drops_names

@@ -25,10 +25,7 @@ from ..options import check_keys, suggest
 from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
 from ..strategies import translate_strategy
-from .base import Layout, WrapperConfig, is_parallel_wrapper
-
-__all__ = ['DEFAULT_WRAPPER', 'Wrapping', 'model_wrapper_config', 'registered_wrapper_names',
-           'resolve_wrapper', 'resolve_wrapper_type']
+from .base import Layout, ParallelWrapper, WrapperConfig
 
 #: Used when ``model_wrapper_cfg`` is not set, as mmengine uses its DDP.
 DEFAULT_WRAPPER = 'mmfsdp.MMDistributedDataParallel'
@@ -56,37 +53,6 @@ def model_wrapper_config(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     return dict(wrapper_cfg)
 
 
-def registered_wrapper_names() -> list:
-    """Every wrapper name a config can use: mmengine's and ``'mmfsdp.<Name>'``."""
-    MODEL_WRAPPERS.import_from_location()
-    return sorted(MMENGINE_MODEL_WRAPPERS.module_dict) + sorted(
-        f'{MODEL_WRAPPERS.scope}.{n}' for n in MODEL_WRAPPERS.module_dict)
-
-
-def resolve_wrapper_type(cfg: Mapping[str, Any], default_scope: Optional[str] = None) -> type:
-    """The class ``cfg['type']`` names, looked up as mmengine's ``MODEL_WRAPPERS.build`` does.
-
-    Raises ``KeyError`` for an unknown name (listing the registered ones) and
-    ``ValueError`` for mmengine's FSDP wrapper.
-    """
-    name = cfg.get('type')
-    if isinstance(name, type):
-        cls = name
-    else:
-        with MMENGINE_MODEL_WRAPPERS.switch_scope_and_registry(
-                cfg.get('_scope_') or default_scope) as registry:
-            cls = registry.get(name)
-    if cls is None:
-        names = registered_wrapper_names()
-        raise KeyError(f'model_wrapper_cfg.type: {name!r} is not a registered model wrapper'
-                       f'{suggest(name, names)}; registered wrappers are {names}')
-    if issubclass(cls, FullyShardedDataParallel) and cls.__module__.startswith('mmengine.'):
-        raise ValueError(f"model_wrapper_cfg.type: {name!r} is mmengine's FSDP wrapper "
-                         f'({cls.__module__}.{cls.__name__}), which mmfsdp.FSDPRunner does not '
-                         f'use; write {_INSTEAD}')
-    return cls
-
-
 @dataclasses.dataclass(frozen=True)
 class Wrapping:
     """A ``model_wrapper_cfg``, resolved: the class, its options as written, its typed config.
@@ -102,7 +68,7 @@ class Wrapping:
     @property
     def ours(self) -> bool:
         """Whether the wrapper is one of mmfsdp's (it then has a layout and a plan)."""
-        return is_parallel_wrapper(self.cls)
+        return issubclass(self.cls, ParallelWrapper)
 
     @property
     def meta_init(self) -> bool:
@@ -136,12 +102,29 @@ def resolve_wrapper(wrapper_cfg: Mapping[str, Any],
                     default_scope: Optional[str] = None) -> Wrapping:
     """Resolve a ``model_wrapper_cfg`` (with ``type``) once: class, options, typed config.
 
-    Raises on an unknown wrapper, an unknown keyword or a bad value, naming the
-    key, the value and the choices; the same on every rank, before any collective.
+    Raises on an unknown wrapper (``KeyError``, listing the registered ones;
+    ``ValueError`` for mmengine's FSDP wrapper), an unknown keyword or a bad
+    value, naming the key, the value and the choices; the same on every rank,
+    before any collective.
     """
-    cls = resolve_wrapper_type(wrapper_cfg, default_scope)
+    name = wrapper_cfg.get('type')
+    cls = name
+    if not isinstance(name, type):  # looked up as mmengine's MODEL_WRAPPERS.build does
+        with MMENGINE_MODEL_WRAPPERS.switch_scope_and_registry(
+                wrapper_cfg.get('_scope_') or default_scope) as registry:
+            cls = registry.get(name)
+    if cls is None:
+        MODEL_WRAPPERS.import_from_location()
+        names = sorted(MMENGINE_MODEL_WRAPPERS.module_dict) + sorted(
+            f'{MODEL_WRAPPERS.scope}.{n}' for n in MODEL_WRAPPERS.module_dict)
+        raise KeyError(f'model_wrapper_cfg.type: {name!r} is not a registered model wrapper'
+                       f'{suggest(name, names)}; registered wrappers are {names}')
+    if issubclass(cls, FullyShardedDataParallel) and cls.__module__.startswith('mmengine.'):
+        raise ValueError(f"model_wrapper_cfg.type: {name!r} is mmengine's FSDP wrapper "
+                         f'({cls.__module__}.{cls.__name__}), which mmfsdp.FSDPRunner does not '
+                         f'use; write {_INSTEAD}')
     options = {k: v for k, v in wrapper_cfg.items() if k not in ('type', '_scope_')}
-    if is_parallel_wrapper(cls):
+    if issubclass(cls, ParallelWrapper):
         return Wrapping(cls, options, cls.CONFIG.from_dict(options))
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):

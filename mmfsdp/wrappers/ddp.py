@@ -16,8 +16,6 @@ from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
 from .base import Layout, ParallelWrapper, WrapperConfig, own_steps, prepare_layers
 
-__all__ = ['DDPConfig', 'MMDistributedDataParallel']
-
 NAME = 'mmfsdp.MMDistributedDataParallel'
 #: Chosen by the wrapper, not configured.
 _DERIVED = ('self', 'module', 'device_ids', 'output_device')

@@ -19,37 +19,18 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
 )
 
+from .. import options
 from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync, with_fsdp1_fp32_classes
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
-from ..options import (
-    Accumulation,
-    option_dict,
-    resolve_dtypes_and_flags,
-    resolve_enum,
-    resolve_flag,
-)
+from ..options import Accumulation
 from ..registry import MODEL_WRAPPERS
-from .base import (
-    NODE,
-    Construction,
-    Layout,
-    MeshSpec,
-    ModelHolder,
-    Padding,
-    ParallelWrapper,
-    ShardingSpec,
-    WrapperConfig,
-    prepare_layers,
-    refuse_keyword_build,
-)
-
-__all__ = ['FSDPConfig', 'MMFullyShardedDataParallel', 'MMSeparateFullyShardedDataParallel',
-           'resolve_backward_prefetch', 'resolve_cpu_offload', 'resolve_mixed_precision']
+from . import base
+from .base import Layout, ModelHolder, ParallelWrapper, WrapperConfig
 
 NAME = 'mmfsdp.MMFullyShardedDataParallel'
 #: FSDP1's hybrid strategies: shard within a node, replicate across nodes.
-_HYBRID = MeshSpec(replicate=-1, shard=NODE)
+_HYBRID = base.MeshSpec(replicate=-1, shard=base.NODE)
 _FSDP1_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'buffer_dtype')
 _FSDP1_MP_FLAGS = ('keep_low_precision_grads', 'cast_forward_inputs', 'cast_root_forward_inputs')
 
@@ -59,9 +40,9 @@ def resolve_backward_prefetch(
     """``backward_prefetch``: ``'pre' | 'post' | None`` or a ``BackwardPrefetch``."""
     if value is None:
         return None
-    return resolve_enum(value, BackwardPrefetch, 'model_wrapper_cfg.backward_prefetch',
-                        {'pre': BackwardPrefetch.BACKWARD_PRE,
-                         'post': BackwardPrefetch.BACKWARD_POST})
+    return options.resolve_enum(value, BackwardPrefetch, 'model_wrapper_cfg.backward_prefetch',
+                                {'pre': BackwardPrefetch.BACKWARD_PRE,
+                                 'post': BackwardPrefetch.BACKWARD_POST})
 
 
 def resolve_mixed_precision(
@@ -74,9 +55,10 @@ def resolve_mixed_precision(
     if value is None or isinstance(value, MixedPrecision):
         return value
     key = 'model_wrapper_cfg.mixed_precision'
-    option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), key,
-                'a dict, a MixedPrecision or None')
-    return MixedPrecision(**resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES, _FSDP1_MP_FLAGS, key))
+    options.option_dict(value, _FSDP1_MP_DTYPES + _FSDP1_MP_FLAGS + ('fp32_modules', ), key,
+                        'a dict, a MixedPrecision or None')
+    return MixedPrecision(**options.resolve_dtypes_and_flags(value, _FSDP1_MP_DTYPES,
+                                                             _FSDP1_MP_FLAGS, key))
 
 
 def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CPUOffload:
@@ -85,9 +67,9 @@ def resolve_cpu_offload(value: Union[bool, Mapping[str, Any], CPUOffload]) -> CP
         return value
     if isinstance(value, bool):
         return CPUOffload(offload_params=value)
-    option_dict(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload',
-                'True/False, dict(offload_params=...) or a CPUOffload')
-    return CPUOffload(offload_params=resolve_flag(
+    options.option_dict(value, ('offload_params', ), 'model_wrapper_cfg.cpu_offload',
+                        'True/False, dict(offload_params=...) or a CPUOffload')
+    return CPUOffload(offload_params=options.resolve_flag(
         value.get('offload_params', False), 'model_wrapper_cfg.cpu_offload.offload_params'))
 
 
@@ -152,7 +134,7 @@ class FSDPConfig(WrapperConfig):
                              'which needs an accelerator, and this process trains on the CPU; '
                              'set cpu_offload=False (the parameters are on the CPU already)')
 
-    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+    def sharding_spec(self, layout: Layout, world_size: int) -> base.ShardingSpec:
         """Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks (all, unset)."""
         strategy = self.sharding_strategy
         shard = 1 if strategy is ShardingStrategy.NO_SHARD else world_size
@@ -161,10 +143,10 @@ class FSDPConfig(WrapperConfig):
         return replace(
             super().sharding_spec(layout, world_size), strategy=strategy.name,
             shard_size=shard, replicate_size=world_size // shard,
-            padding=Padding.FLAT if shard > 1 else Padding.NONE,
+            padding=base.Padding.FLAT if shard > 1 else base.Padding.NONE,
             keep_gathered_until_backward=shard > 1 and strategy in (
                 ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
-            construction=Construction.UNIT_BY_UNIT, grads_freed_between_steps=True)
+            construction=base.Construction.UNIT_BY_UNIT, grads_freed_between_steps=True)
 
 
 def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[MixedPrecision]
@@ -225,7 +207,7 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
 
     def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        refuse_keyword_build(type(self), config, layout, options)
+        base.refuse_keyword_build(type(self), config, layout, options)
         cfg = config
         device = current_device()
         if layout.roots is not None:
@@ -258,7 +240,7 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
             sync_module_states=bool(cfg.sync_module_states) or (on_meta and device.type != 'cpu'),
             use_orig_params=True)
         set_preprocessor_device(self.module, device)
-        prepare_layers(self, layout)  # inside the units: FSDP1's hooks stay outside compiled code
+        base.prepare_layers(self, layout)  # inside the units: FSDP1's hooks stay outside it
         self._accumulation = cfg.accumulation
         teardown_at_exit()
 
@@ -293,7 +275,7 @@ class MMSeparateFullyShardedDataParallel(ModelHolder):
 
     def __init__(self, module: nn.Module, *, config: Optional[FSDPConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        refuse_keyword_build(type(self), config, layout, options)
+        base.refuse_keyword_build(type(self), config, layout, options)
         super().__init__()
         cfg = config
         device = current_device()

@@ -25,39 +25,16 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from .. import options
 from ..agreement import UsageProbe, check_same_parameters_used
 from ..compat import HYBRID_SHARD_ZERO2
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize
-from ..options import (
-    Accumulation,
-    _got,
-    option_dict,
-    resolve_dtypes_and_flags,
-    resolve_enum,
-    resolve_flag,
-)
+from ..options import Accumulation
 from ..policies import ModelIndex, within
 from ..registry import MODEL_WRAPPERS
-from .base import (
-    NODE,
-    Construction,
-    Layout,
-    MeshSpec,
-    ModelHolder,
-    Padding,
-    ShardingSpec,
-    WrapperConfig,
-    outermost,
-    prepare_layers,
-    refuse_keyword_build,
-    units_children_first,
-)
-
-__all__ = ['FSDP1_ONLY_OPTIONS', 'FullyShardConfig', 'MMFullyShard', 'Merge', 'ROOT',
-           'compute_in_fp32', 'merge_units_sharing_parameters', 'resolve_mesh',
-           'resolve_mp_policy', 'resolve_offload_policy', 'resolve_reshard_after_forward',
-           'shard_model']
+from . import base
+from .base import Layout, MeshSpec, ModelHolder, WrapperConfig
 
 NAME = 'mmfsdp.MMFullyShard'
 _MP_KEY = 'model_wrapper_cfg.mixed_precision'
@@ -66,24 +43,18 @@ _MP_KEY = 'model_wrapper_cfg.mixed_precision'
 #: from FSDP1 by changing its ``type`` fails with these rather than "unknown key").
 FSDP1_ONLY_OPTIONS: Dict[str, str] = {
     'backward_prefetch': 'FSDP2 always prefetches the next unit in backward; remove it',
-    'forward_prefetch': 'FSDP2 prefetches in forward by itself (explicit order: '
-                        'set_modules_to_forward_prefetch on the sharded modules); remove it',
-    'limit_all_gathers': 'FSDP2 frees all-gather buffers deterministically and needs no rate '
-                         'limiter; remove it',
+    'forward_prefetch': 'FSDP2 prefetches in forward by itself; remove it',
+    'limit_all_gathers': 'FSDP2 frees all-gather buffers deterministically; remove it',
     'use_orig_params': 'FSDP2 always keeps the original parameters (as DTensors); remove it',
-    'sync_module_states': "FSDPRunner broadcasts rank 0's weights before sharding (with "
-                          "init_device='meta' they come from init_weights or load_from); "
-                          'remove it',
+    'sync_module_states': "FSDPRunner broadcasts rank 0's weights before sharding; remove it",
     'cpu_offload': 'use offload=dict(cpu_offload=True, pin_memory=True)',
-    'device_id': 'the device is chosen by mmfsdp (this process\'s accelerator, else the CPU); '
-                 'remove it',
+    'device_id': "mmfsdp trains on this process's accelerator, else the CPU; remove it",
 }
 
 #: FSDP1 ``mixed_precision`` keys that ``MixedPrecisionPolicy`` does not have.
 _FSDP1_ONLY_MP_KEYS: Dict[str, str] = {
     'buffer_dtype': 'FSDP2 does not cast buffers; they keep the dtype the model gives them',
-    'keep_low_precision_grads': 'FSDP2 gives sharded gradients the dtype of the sharded '
-                                'parameters; reduce_dtype sets the dtype of the reduction',
+    'keep_low_precision_grads': "FSDP2's gradients have the parameters' dtype; set reduce_dtype",
     'cast_root_forward_inputs': 'use cast_forward_inputs',
 }
 _FSDP2_MP_DTYPES = ('param_dtype', 'reduce_dtype', 'output_dtype')
@@ -107,12 +78,12 @@ def resolve_mp_policy(
                         'output_dtype=..., cast_forward_inputs=...)')
     if not isinstance(value, Mapping):
         raise TypeError(f'{_MP_KEY}: expected a dict, a MixedPrecisionPolicy or None, '
-                        f'{_got(value)}')
+                        f'{options.got(value)}')
     for name, instead in _FSDP1_ONLY_MP_KEYS.items():
         if name in value:
             raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
-    return MixedPrecisionPolicy(**resolve_dtypes_and_flags(
+    return MixedPrecisionPolicy(**options.resolve_dtypes_and_flags(
         value, _FSDP2_MP_DTYPES, ('cast_forward_inputs', ), _MP_KEY))
 
 
@@ -123,10 +94,11 @@ def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, 
         return value
     if value is None or isinstance(value, bool):
         return CPUOffloadPolicy() if value else OffloadPolicy()
-    option_dict(value, ('cpu_offload', 'pin_memory'), 'model_wrapper_cfg.offload',
-                'dict(cpu_offload=..., pin_memory=...), True/False or an OffloadPolicy')
-    pin_memory = resolve_flag(value.get('pin_memory', True), 'model_wrapper_cfg.offload.pin_memory')
-    if not resolve_flag(value.get('cpu_offload', False), 'model_wrapper_cfg.offload.cpu_offload'):
+    key = 'model_wrapper_cfg.offload'
+    options.option_dict(value, ('cpu_offload', 'pin_memory'), key,
+                        'dict(cpu_offload=..., pin_memory=...), True/False or an OffloadPolicy')
+    pin_memory = options.resolve_flag(value.get('pin_memory', True), f'{key}.pin_memory')
+    if not options.resolve_flag(value.get('cpu_offload', False), f'{key}.cpu_offload'):
         if 'pin_memory' in value:
             raise ValueError('model_wrapper_cfg.offload.pin_memory: '
                              'only applies with cpu_offload=True')
@@ -145,14 +117,14 @@ def resolve_reshard_after_forward(value: Union[bool, int]) -> Union[bool, int]:
                              'use True, False or an int >= 2 that divides the shard group size')
         return value
     raise TypeError('model_wrapper_cfg.reshard_after_forward: expected True, False or an int, '
-                    f'{_got(value)}')
+                    f'{options.got(value)}')
 
 
 def _mesh_size(value: Any, key: str, allow_node: bool) -> Union[int, str]:
-    if allow_node and value == NODE:
+    if allow_node and value == base.NODE:
         return value
     if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-        node = f" or '{NODE}' (the processes of one node)" if allow_node else ''
+        node = f" or '{base.NODE}' (the processes of one node)" if allow_node else ''
         raise ValueError(f'{key}: expected a positive int, -1 (the rest of the world){node}, '
                          f'got {value!r}')
     return value
@@ -162,8 +134,8 @@ def resolve_mesh(value: Union[Mapping[str, Any], MeshSpec, None]) -> MeshSpec:
     """``mesh``: ``dict(replicate=R, shard=S)``; the default shards over every rank."""
     if value is None or isinstance(value, MeshSpec):
         return value or MeshSpec()
-    option_dict(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh',
-                'dict(replicate=..., shard=...)')
+    options.option_dict(value, ('replicate', 'shard'), 'model_wrapper_cfg.mesh',
+                        'dict(replicate=..., shard=...)')
     return MeshSpec(
         replicate=_mesh_size(value.get('replicate', 1), 'model_wrapper_cfg.mesh.replicate', False),
         shard=_mesh_size(value.get('shard', -1), 'model_wrapper_cfg.mesh.shard', True))
@@ -179,7 +151,7 @@ def _from_sharding_strategy(cfg: Mapping[str, Any], value: Any) -> Dict[str, Any
     if 'reshard_after_forward' in cfg:
         raise TypeError('model_wrapper_cfg: give reshard_after_forward or sharding_strategy '
                         '(translated to it), not both')
-    strategy = resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
+    strategy = options.resolve_enum(value, ShardingStrategy, 'model_wrapper_cfg.sharding_strategy')
     if strategy is ShardingStrategy.NO_SHARD:
         raise ValueError("model_wrapper_cfg.sharding_strategy: "
                          "'NO_SHARD' has no FSDP2 equivalent (FSDP1 itself "
@@ -188,7 +160,7 @@ def _from_sharding_strategy(cfg: Mapping[str, Any], value: Any) -> Dict[str, Any
     out: Dict[str, Any] = dict(reshard_after_forward=strategy in (
         ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
     if strategy in (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2):
-        out['mesh'] = resolve_mesh(cfg['mesh']) if 'mesh' in cfg else MeshSpec(-1, NODE)
+        out['mesh'] = resolve_mesh(cfg['mesh']) if 'mesh' in cfg else MeshSpec(-1, base.NODE)
         if out['mesh'].replicate == 1:
             raise ValueError('model_wrapper_cfg.sharding_strategy: '
                              f'{value!r} replicates '
@@ -339,17 +311,18 @@ class FullyShardConfig(WrapperConfig):
                              'pin_memory=False, or leave offload out (the parameters are on '
                              'the CPU already)')
 
-    def sharding_spec(self, layout: Layout, world_size: int) -> ShardingSpec:
+    def sharding_spec(self, layout: Layout, world_size: int) -> base.ShardingSpec:
         """``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset)."""
         replicate, shard = self.mesh.sizes(world_size, local_world_size() or world_size)
         reshard = self.reshard_after_forward
         return replace(
             super().sharding_spec(layout, world_size), strategy=f'reshard_after_forward={reshard}',
             shard_size=shard, replicate_size=replicate,
-            padding=Padding.DIM0 if shard > 1 else Padding.NONE,
+            padding=base.Padding.DIM0 if shard > 1 else base.Padding.NONE,
             keep_gathered_until_backward=shard > 1 and reshard is not True,
             kept_shard_size=reshard if type(reshard) is int else 1,
-            construction=Construction.SHARDS if self.init_device == 'meta' else Construction.FULL,
+            construction=base.Construction.SHARDS if self.init_device == 'meta'
+            else base.Construction.FULL,
             gathers_unsharded=True, grads_freed_between_steps=True)
 
 
@@ -358,8 +331,8 @@ def _groups(module: nn.Module, layout: Layout) -> List[str]:
     kept = [name for name in layout.fp32_modules
             if any(True for _ in module.get_submodule(name).parameters())]
     roots = list(layout.roots) if layout.roots is not None else ['']
-    inner = [name for name in units_children_first(layout.units, tuple(kept)) if name not in roots]
-    return inner + roots
+    inner = base.units_children_first(layout.units, tuple(kept))
+    return [name for name in inner if name not in roots] + roots
 
 
 def check_groups(index: ModelIndex, layout: Layout) -> None:
@@ -434,8 +407,8 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
     roots = list(layout.roots) if layout.roots is not None else ['']
     targets = {name: module.get_submodule(name) for name in _groups(module, layout)}
     kept = [module.get_submodule(name) for name in layout.fp32_modules]
-    prepare_layers(module, layout)
-    outer = outermost(module)
+    base.prepare_layers(module, layout)
+    outer = base.outermost(module)
     shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload_policy)
     for name, target in targets.items():
         in_fp32 = any(within(name, kept) for kept in layout.fp32_modules)
@@ -529,7 +502,7 @@ class MMFullyShard(ModelHolder):
 
     def __init__(self, module: nn.Module, *, config: Optional[FullyShardConfig] = None,
                  layout: Optional[Layout] = None, **options: Any) -> None:
-        refuse_keyword_build(type(self), config, layout, options)
+        base.refuse_keyword_build(type(self), config, layout, options)
         super().__init__()
         device = current_device()
         self.mesh = config.mesh.build(device, dist.get_world_size(), local_world_size())

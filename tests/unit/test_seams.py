@@ -19,7 +19,7 @@ from mmfsdp.optim import named_optim_wrappers
 from mmfsdp.plan import plan_for
 from mmfsdp.runner import LifecycleError, WrapPreconditions
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
-from mmfsdp.wrappers.base import is_parallel_wrapper
+from mmfsdp.wrappers.base import ParallelWrapper
 from mmfsdp.wrappers.builder import resolve_wrapper
 from toy import ToyBlock, ToyClassifier
 
@@ -27,7 +27,7 @@ BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 
 
 def test_other_wrappers_are_driven_as_mmengine_drives_them():
-    assert not is_parallel_wrapper(MMEngineDDP)
+    assert not issubclass(MMEngineDDP, ParallelWrapper)
     theirs = resolve_wrapper(dict(type=MMEngineDDP, init_device='meta'))
     assert not theirs.ours and not theirs.config.offloads_to_cpu and not theirs.meta_init
     assert theirs.layout(ToyClassifier()) is None
