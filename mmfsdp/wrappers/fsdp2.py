@@ -43,10 +43,13 @@ _MP_KEY = 'model_wrapper_cfg.mixed_precision'
 #: from FSDP1 by changing its ``type`` fails with these rather than "unknown key").
 FSDP1_ONLY_OPTIONS: Dict[str, str] = {
     'backward_prefetch': 'FSDP2 always prefetches the next unit in backward; remove it',
-    'forward_prefetch': 'FSDP2 prefetches in forward by itself; remove it',
+    'forward_prefetch': 'FSDP2 prefetches in forward by itself (explicit order: '
+                        'set_modules_to_forward_prefetch on the sharded modules); remove it',
     'limit_all_gathers': 'FSDP2 frees all-gather buffers deterministically; remove it',
     'use_orig_params': 'FSDP2 always keeps the original parameters (as DTensors); remove it',
-    'sync_module_states': "FSDPRunner broadcasts rank 0's weights before sharding; remove it",
+    'sync_module_states': "FSDPRunner broadcasts rank 0's weights before sharding (with "
+                          "init_device='meta' they come from init_weights or load_from); "
+                          'remove it',
     'cpu_offload': 'use offload=dict(cpu_offload=True, pin_memory=True)',
     'device_id': "mmfsdp trains on this process's accelerator, else the CPU; remove it",
 }
