@@ -16,6 +16,7 @@ import inspect
 from typing import Any, Dict, Mapping, Optional
 
 import torch
+from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -40,17 +41,27 @@ def model_wrapper_config(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     Unset: :data:`DEFAULT_WRAPPER` with the config's ``find_unused_parameters``;
     without ``type``: its keys are options of that default wrapper, as in mmengine.
     A FlexibleRunner ``strategy`` gives its translation (:mod:`mmfsdp.strategies`).
+    The classes and functions a Python-style config imports are built at any depth
+    (mmengine builds only those its ``ConfigDict`` hands out, not those in a list or set:
+    ``layer_cls=[Block]``).
     """
-    strategy = translate_strategy(cfg).model_wrapper_cfg
-    if strategy:
-        return dict(strategy)
-    wrapper_cfg = cfg.get('model_wrapper_cfg')
+    wrapper_cfg = translate_strategy(cfg).model_wrapper_cfg or cfg.get('model_wrapper_cfg')
     if wrapper_cfg is None:
         return dict(type=DEFAULT_WRAPPER,
                     find_unused_parameters=cfg.get('find_unused_parameters', False))
-    if 'type' not in wrapper_cfg:
-        return dict(type=DEFAULT_WRAPPER, **wrapper_cfg)
-    return dict(wrapper_cfg)
+    return _built(wrapper_cfg if 'type' in wrapper_cfg else
+                  dict(type=DEFAULT_WRAPPER, **wrapper_cfg))
+
+
+def _built(value: Any) -> Any:
+    """``value`` as plain dicts, lists, tuples and sets, its lazily imported names built."""
+    if isinstance(value, (LazyObject, LazyAttr)):
+        return value.build()
+    if isinstance(value, Mapping):
+        return {k: _built(v) for k, v in value.items()}
+    if type(value) in (list, tuple, set, frozenset):
+        return type(value)(_built(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

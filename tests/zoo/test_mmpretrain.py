@@ -26,6 +26,11 @@ ZeRO-3) run through the same ``tools/train.py`` made small with ``--cfg-options`
 ``runner_type`` changed: they shard (the plan log names ``mmfsdp.MMFullyShard``) and equal the same
 run written in mmfsdp's own keys.
 
+A Python-style config (``with read_base(): from .._base_.vit_tiny import *``, classes imported
+and given as ``type``, ``runner_type = FSDPRunner``, ``model_wrapper_cfg=dict(type=MMFullyShard,
+...layer_cls=[TransformerEncoderLayer])``) trains through the same ``tools/train.py`` and equals
+the stock one-process run of the classic config.
+
 Needs mmpretrain 1.2.0 (with mmcv-lite 2.2.0 or mmcv 2.1.0) and a torchvision
 that imports beside the installed torch: ``tools/zoo_env.sh`` builds that env and
 runs the tier; skipped, with the reason, elsewhere. Marked ``zoo``: excluded
@@ -264,3 +269,84 @@ def test_shipped_flexible_runner_config_shards_and_equals_native_keys(name, data
                for k in weights['native'])
     print(f'{name}: max abs diff to the native keys {diff:.1e}')
     assert sorted(weights['strategy']) == sorted(weights['native']) and diff == 0.0
+
+
+# ---- a Python-style config inheriting a Python-style config (issue 37 §3) ------------------
+
+#: The parent, written as mmpretrain's Python-style configs are (``mmpretrain/configs/_base_``:
+#: the classes imported, given as ``type``), which its wheel does not ship: the ViT run of
+#: ``_config`` (the ``stock('vit')`` run) in that form.
+PYTHON_STYLE_BASE = """\
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import CheckpointHook, EMAHook, LoggerHook
+from torch.optim import SGD
+
+from mmpretrain.datasets import CustomDataset, LoadImageFromFile, PackInputs
+from mmpretrain.evaluation import Accuracy
+from mmpretrain.models import (ClsDataPreprocessor, CrossEntropyLoss, ImageClassifier,
+                               VisionTransformer, VisionTransformerClsHead)
+
+model = dict(
+    type=ImageClassifier,
+    backbone=dict(type=VisionTransformer, img_size=32, patch_size=8,
+                  arch=dict(embed_dims=64, num_layers=2, num_heads=2, feedforward_channels=128)),
+    neck=None,
+    head=dict(type=VisionTransformerClsHead, num_classes=2, in_channels=64,
+              loss=dict(type=CrossEntropyLoss, loss_weight=1.0)))
+data_preprocessor = dict(type=ClsDataPreprocessor, num_classes=2, mean=[127.5] * 3,
+                         std=[127.5] * 3, to_rgb=True)
+train_dataloader = dict(
+    batch_size=BATCH, num_workers=0, persistent_workers=False,
+    dataset=dict(type=CustomDataset, data_root=DATA_ROOT, data_prefix='train',
+                 pipeline=[dict(type=LoadImageFromFile), dict(type=PackInputs)]),
+    sampler=dict(type=DefaultSampler, shuffle=True, seed=0))
+val_dataloader = dict(
+    batch_size=BATCH, num_workers=0, persistent_workers=False,
+    dataset=dict(type=CustomDataset, data_root=DATA_ROOT, data_prefix='test',
+                 pipeline=[dict(type=LoadImageFromFile), dict(type=PackInputs)]),
+    sampler=dict(type=DefaultSampler, shuffle=False, seed=0))
+val_evaluator = dict(type=Accuracy, topk=(1, ))
+optim_wrapper = dict(optimizer=dict(type=SGD, lr=0.05, momentum=0.9, weight_decay=0.0))
+train_cfg = dict(by_epoch=True, max_epochs=2, val_interval=2)
+val_cfg = dict()
+default_hooks = dict(checkpoint=dict(type=CheckpointHook, interval=2),
+                     logger=dict(type=LoggerHook, interval=1))
+custom_hooks = [dict(type=EMAHook, momentum=0.1, priority='ABOVE_NORMAL')]
+randomness = dict(seed=0)
+log_level = 'INFO'
+"""
+#: The user's config: the parent and mmfsdp's lines, its classes imported too.
+PYTHON_STYLE_FSDP = """\
+from mmengine.config import read_base
+
+from mmfsdp import FSDPRunner, MMFullyShard
+from mmpretrain.models.backbones.vision_transformer import TransformerEncoderLayer
+
+with read_base():
+    from .._base_.vit_tiny import *
+
+runner_type = FSDPRunner
+model_wrapper_cfg = dict(
+    type=MMFullyShard,
+    auto_wrap_policy=dict(type='transformer', layer_cls=[TransformerEncoderLayer]))
+env_cfg = dict(dist_cfg=dict(backend='gloo'))
+"""
+
+
+def test_python_style_config_trains_through_mmpretrain_tools(data_root, stock, tmp_path,
+                                                             tmp_path_factory):
+    configs = tmp_path_factory.mktemp('python-style')
+    (configs / '_base_').mkdir()
+    (configs / 'vision_transformer').mkdir()
+    (configs / '_base_' / 'vit_tiny.py').write_text(PYTHON_STYLE_BASE.replace(
+        'BATCH', str(GLOBAL_BATCH // 2)).replace('DATA_ROOT', repr(str(data_root))))
+    cfg = configs / 'vision_transformer' / 'vit_tiny_fsdp.py'
+    cfg.write_text(PYTHON_STYLE_FSDP)
+    log = run_tool(torchrun(TOOLS / 'train.py', str(cfg), '--work-dir', str(tmp_path)))
+    assert re.search(r'Sharding plan:\nmmfsdp.MMFullyShard .*, 2 units \+ root', log)
+    ref = stock('vit')
+    got = checkpoint_weights(tmp_path / 'epoch_2.pth')
+    assert sorted(got) == sorted(ref['weights'])
+    diff = max((got[k] - ref['weights'][k]).abs().max().item() for k in got)
+    print(f'Python-style config, FSDP2 at 2 ranks: max abs diff to one process {diff:.2e}')
+    assert diff <= TOL
