@@ -19,6 +19,7 @@ in configs::
     auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])
     auto_wrap_policy=[dict(type='transformer', layer_cls=['Block']),   # any of
                       dict(type='size_based', min_num_params=100_000)]
+    auto_wrap_policy='auto'      # the model's repeated blocks (ModelIndex.repeated_blocks)
 
 Users register their own predicate, whose extra arguments become config keys::
 
@@ -30,6 +31,7 @@ FSDP2's units are merged where a parameter is shared by two of them
 (:func:`mmfsdp.wrappers.fsdp2.merge_units_sharing_parameters`). What is done to layers
 before sharding is :mod:`mmfsdp.checkpointing` and :mod:`mmfsdp.compile`.
 """
+import collections
 import difflib
 import functools
 import inspect
@@ -84,6 +86,43 @@ class ModelIndex:
         self.modules = {n: m for n, m in self.modules.items()
                         if not (id(m) in seen or seen.add(id(m)))}
 
+    @functools.cached_property
+    def repeated_blocks(self) -> Tuple[Type[nn.Module], ...]:
+        """The model's repeated blocks: what ``'auto'`` names, outermost first.
+
+        A block class has two or more outermost instances holding parameters,
+        is neither a container nor a single layer (it has a submodule with
+        parameters), and is not a stage: no instance holds two or more blocks
+        of one other class making up half of its parameters (ResNet's ResLayer
+        holds Bottlenecks, Swin's stage SwinBlocks). From the largest instances
+        down, a class is taken unless one of its instances is inside (or holds)
+        a block already taken: TransformerBlock, not its MLP.
+        """
+        size = {name: sum(below.values()) for name, below in self.below.items()}
+        composite = {name: module for name, module in self.modules.items() if name and not
+                     isinstance(module, _CONTAINERS) and size[name] > sum(
+                         p.numel() for p in module.parameters(recurse=False))}
+        every = {cls: [n for n, m in composite.items() if isinstance(m, cls)]  # as policies match
+                 for cls in {type(m) for m in composite.values()}}
+        outer = {cls: [n for n in names if not any(within(n, o) and n != o for o in names)]
+                 for cls, names in every.items()}
+        blocks = {cls: names for cls, names in outer.items() if len(names) > 1}
+        held: Dict[Tuple[str, type], List[int]] = collections.defaultdict(lambda: [0, 0])
+        for cls, names in blocks.items():  # [count, numel] of the cls blocks below a module
+            for name in names:
+                parts = name.split('.')
+                for end in range(1, len(parts)):
+                    held['.'.join(parts[:end]), cls][0] += 1
+                    held['.'.join(parts[:end]), cls][1] += size[name]
+        stages = {cls for cls, names in blocks.items() for name in names for other in blocks
+                  if held[name, other][0] > 1 and 2 * held[name, other][1] >= size[name]}
+        chosen, units = [], []
+        for cls in sorted(blocks.keys() - stages, key=lambda c: -max(size[n] for n in blocks[c])):
+            if not any(within(n, u) or within(u, n) for n in every[cls] for u in units):
+                chosen.append(cls)
+                units += blocks[cls]
+        return tuple(chosen)
+
     @classmethod
     def of(cls, model: Union[nn.Module, 'ModelIndex']) -> 'ModelIndex':
         """``model``'s index (``model`` itself if it is one)."""
@@ -92,12 +131,15 @@ class ModelIndex:
     def classes_of(self, value: Any, key: str) -> Tuple[Type[nn.Module], ...]:
         """Module classes, or names of the classes (or their bases) of the model's modules.
 
-        ``'_BatchNorm'`` covers ``BatchNorm2d`` and ``SyncBatchNorm``. An unknown
-        name is a ``ValueError`` with the nearest names.
+        ``'_BatchNorm'`` covers ``BatchNorm2d`` and ``SyncBatchNorm``; ``'auto'``
+        the :attr:`repeated_blocks`. An unknown name is a ``ValueError`` with the
+        nearest names.
         """
         classes = []
         for item in one_or_many(value or ()):
-            if isinstance(item, type) and issubclass(item, nn.Module):
+            if item == 'auto' and 'auto' not in self.classes:
+                classes += self.repeated_blocks
+            elif isinstance(item, type) and issubclass(item, nn.Module):
                 classes.append(item)
             elif isinstance(item, str) and item in self.classes:
                 classes.append(self.classes[item])
@@ -172,6 +214,14 @@ def module_types(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                  module_cls: Tuple[Type[nn.Module], ...]) -> bool:
     """Make a unit of every instance of ``module_cls`` (any module classes)."""
     return recurse or isinstance(module, module_cls)
+
+
+@FSDP_WRAP_POLICIES.register_module()
+@_resolves_options(lambda index, key, module_cls='auto': dict(
+    module_cls=index.classes_of(module_cls, f'{key}.module_cls')))
+def auto(module: nn.Module, recurse: bool, nonwrapped_numel: int, module_cls: Any = 'auto') -> bool:
+    """Make a unit of every instance of the model's repeated blocks (none if nothing repeats)."""
+    return module_types(module, recurse, nonwrapped_numel, module_cls=module_cls)
 
 
 def _any_of(policies: Sequence[WrapPolicy]) -> WrapPolicy:

@@ -1,4 +1,5 @@
 """A plan as a table for people, a JSON object for scripts, and warnings for mistakes."""
+import collections
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from .memory import Plan
@@ -43,7 +44,7 @@ def plan_warnings(plan: Plan) -> List[str]:
         warnings.append(
             f'the root unit keeps {plan.root.numel / plan.numel:.0%} of the parameters, so each '
             f'forward gathers them all at once: wrap the large layers in their own units '
-            "(auto_wrap_policy=dict(type='transformer', layer_cls=[...]) or a lower "
+            "(auto_wrap_policy='auto', dict(type='transformer', layer_cls=[...]) or a lower "
             'size_based min_num_params)')
     if sharded_units > UNIT_COUNT_LIMIT:
         warnings.append(
@@ -108,6 +109,15 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
                  'included)')
     lines.append(f'construction peak {_size(plan.construction_bytes_per_rank)} per rank of '
                  f'parameters on the device ({plan.spec.construction.value})')
+    named = [u for u in rows if u.name]
+    if named:  # the classes of the units, and the share of the parameters each class holds
+        held = collections.Counter()
+        for u in named:
+            held[u.cls] += u.numel
+        lines.append(("auto_wrap_policy='auto' chose the repeated blocks: " if spec.auto_units
+                      else 'units: ') + ', '.join(
+            f'{sum(u.cls == cls for u in named)} x {cls} ({n / plan.numel:.0%} of the parameters)'
+            for cls, n in held.items()))
     if plan.spec.units and plan.root_modules:
         shown_modules = ', '.join(plan.root_modules[:12])
         more = len(plan.root_modules) - 12

@@ -30,7 +30,7 @@ from mmengine.model.utils import detect_anomalous_params
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .. import options
+from .. import options, policies
 from ..checkpointing import (
     AC_KEY,
     ActivationCheckpointing,
@@ -205,6 +205,8 @@ class ShardingSpec:
     #: Units (also in :attr:`units`) that compute in fp32 under mixed precision
     #: (``mixed_precision.fp32_modules``): gathered in their parameters' dtype.
     fp32_units: Tuple[str, ...] = ()
+    #: Whether ``auto_wrap_policy='auto'`` chose the units (the model's repeated blocks).
+    auto_units: bool = False
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,13 @@ class WrapperConfig:
         module = index.model
         policy = build_wrap_policy(self.auto_wrap_policy, index)
         units = tuple(plan_units(index, policy)) if policy is not None else ()
+        if policy is not None and not units and getattr(policy, 'func', None) is policies.auto:
+            print_log(f"model_wrapper_cfg.auto_wrap_policy='auto': {type(module).__name__} has no "
+                      'repeated block (two or more instances of a class made of layers), so '
+                      'the whole model is one unit; name the units with dict(type='
+                      "'size_based', min_num_params=...) or 'module_types'", logger='current',
+                      level=logging.WARNING)
+            policy = None
         if policy is not None and not units:
             raise ValueError(f'model_wrapper_cfg.auto_wrap_policy: {self.auto_wrap_policy!r} '
                              f'makes no unit of any submodule of {type(module).__name__}, so '
@@ -396,6 +405,7 @@ class WrapperConfig:
             units=units_children_first(layout.units, layout.fp32_modules),
             fp32_units=layout.fp32_modules, compute_dtype=self.compute_dtype,
             checkpoint_layers=layout.checkpoint_layers,
+            auto_units=getattr(layout.policy, 'func', None) is policies.auto,
             unsharded_accumulation=self.accumulation is Accumulation.UNSHARDED)
 
     def check_device(self, device: torch.device) -> None:

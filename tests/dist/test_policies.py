@@ -1,7 +1,7 @@
-"""FSDP1 wraps exactly the units its wrap policy plans."""
+"""FSDP1 wraps exactly the units its policy plans; FSDP2 under 'auto' trains as the hand list."""
 import datetime
 
-from harness import COLLECTIVE_TIMEOUT_S, run_distributed
+from harness import COLLECTIVE_TIMEOUT_S, max_abs_diff, run_distributed
 from mmfsdp.policies import build_wrap_policy, plan_units
 from toy import ToyClassifier
 
@@ -31,3 +31,38 @@ def test_fsdp1_wraps_exactly_the_planned_units():
     assert planned == ['blocks.0.fc1', 'blocks.0', 'blocks.1.fc1', 'blocks.1', 'blocks.2.fc1',
                        'blocks.2']
     assert sorted(built) == sorted(planned)
+
+
+def _fsdp2_trains(policies):
+    """Per policy: the fully_shard'ed modules, and the full parameters after three SGD steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from mmfsdp import MMFullyShard
+    from mmfsdp.demo import GPT
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results = []
+    for policy in policies:
+        torch.manual_seed(0)
+        model = GPT(vocab_size=256, block_size=16, n_layer=3, n_head=2, n_embd=32)
+        model.init_weights()
+        wrapped = MMFullyShard.from_options(model, auto_wrap_policy=policy)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+        tokens = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            x = torch.randint(0, 256, (4, 16), generator=tokens)
+            wrapped(x, x.roll(-1, 1), mode='loss')['loss'].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(([n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n],
+                        {n: p.full_tensor() for n, p in wrapped.named_parameters()}))
+    dist.destroy_process_group()
+    return results
+
+
+def test_fsdp2_auto_trains_equal_to_the_hand_written_class_list():
+    hand = dict(type='transformer', layer_cls=['TransformerBlock'])
+    [(auto, listed), _] = run_distributed(_fsdp2_trains, 2, ['auto', hand])
+    assert auto[0] == listed[0] == ['blocks.0', 'blocks.1', 'blocks.2']
+    assert max_abs_diff(auto[1], listed[1]) == 0.0

@@ -1,13 +1,19 @@
 """Wrap policies: registry names, options, checks against the model, and the unit plan."""
 import copy
+import types
 
 import pytest
+from mmengine.logging import MMLogger
 from torch import nn
 
-from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp import MMFullyShard
+from mmfsdp.demo import GPT, TransformerBlock
+from mmfsdp.plan import format_plan, log_sharding_plan, plan_for
+from mmfsdp.policies import ModelIndex, build_wrap_policy, plan_units
 from mmfsdp.registry import FSDP_WRAP_POLICIES
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from toy import ToyBlock, ToyClassifier
+from vision import BottleneckResNet, GroupNormNet, TinyViT
 
 
 @pytest.fixture
@@ -124,4 +130,97 @@ def test_building_a_policy_leaves_the_config_unchanged(model):
 
 
 def test_builtin_policies_are_registered():
-    assert {'size_based', 'transformer', 'module_types'} <= set(FSDP_WRAP_POLICIES.module_dict)
+    assert {'size_based', 'transformer', 'module_types', 'auto'} <= set(
+        FSDP_WRAP_POLICIES.module_dict)
+
+
+# 'auto': the model's repeated blocks (ModelIndex.repeated_blocks)
+
+
+def _auto(model):
+    """The classes 'auto' chooses (by name) and the units it makes."""
+    index = ModelIndex(model)
+    return [c.__name__ for c in index.repeated_blocks], _units('auto', index)
+
+
+def test_auto_chooses_the_demo_gpts_transformer_blocks_not_their_mlps_or_linears():
+    assert _auto(GPT(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=32)) == (
+        ['TransformerBlock'], ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3'])
+
+
+def test_auto_chooses_a_vits_encoder_layers():
+    assert _auto(TinyViT(depth=3)) == (['EncoderLayer'], ['layers.0', 'layers.1', 'layers.2'])
+
+
+def test_auto_chooses_bottlenecks_not_the_stages_that_hold_them():
+    # ResLayer (a Sequential of Bottlenecks) repeats too, but each holds several blocks: a
+    # stage. The downsample Sequentials sit inside Bottlenecks, the stem is one Sequential.
+    model = BottleneckResNet(depths=(2, 3, 2, 2))
+    classes, units = _auto(model)
+    assert classes == ['Bottleneck']
+    assert units == [f'stages.{s}.{b}' for s, n in enumerate((2, 3, 2, 2)) for b in range(n)]
+    # the last stage (two blocks, the first widening) is below 2x its largest block: a rule
+    # on size alone would have taken the stages, as for ResNet-18
+    index = ModelIndex(model)
+    last = [sum(index.below[f'stages.3.{b}'].values()) for b in range(2)]
+    assert sum(index.below['stages.3'].values()) < 2 * max(last)
+
+
+class _Layer(nn.Module):
+    """A decoder layer with two attentions (a third of it): a block, not a stage."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.self_attn, self.cross_attn = ToyBlock(dim), ToyBlock(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 8 * dim), nn.Linear(8 * dim, dim))
+
+
+class _Stage(nn.Module):
+    """Two layers and a small projection: a stage (its layers hold most of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.proj = nn.Linear(8, 8)
+
+
+def test_auto_nested_repetition_takes_the_outermost_class_that_is_not_a_stage():
+    model = nn.Sequential(_Stage(), _Stage(), nn.Linear(8, 8))
+    assert _auto(model) == (['_Layer'], ['0.layers.0', '0.layers.1', '1.layers.0', '1.layers.1'])
+
+
+def test_auto_with_nothing_repeated_is_one_unit_and_says_so(caplog):
+    logger = MMLogger.get_current_instance()
+    logger.addHandler(caplog.handler)
+    try:
+        layout = FullyShardConfig.from_dict(dict(auto_wrap_policy='auto')).layout(GroupNormNet())
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert layout.units == () and layout.policy is None
+    assert "auto_wrap_policy='auto': GroupNormNet has no repeated block" in caplog.text
+
+
+@pytest.mark.parametrize('config', [FSDPConfig, FullyShardConfig])
+def test_auto_in_one_word_for_units_and_checkpointing_equals_the_hand_written_list(config):
+    model = GPT(vocab_size=256, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    auto = config.from_dict(dict(auto_wrap_policy='auto',
+                                 activation_checkpointing=dict(layer_cls='auto'))).layout(model)
+    hand = config.from_dict(dict(auto_wrap_policy=dict(type='transformer',
+                                                       layer_cls=['TransformerBlock']),
+                                 activation_checkpointing=dict(layer_cls=['TransformerBlock']))
+                            ).layout(model)
+    assert auto.units == hand.units == ('blocks.0', 'blocks.1', 'blocks.2')
+    assert auto.checkpoint_layers == hand.checkpoint_layers == (TransformerBlock, )
+    assert _units(dict(type='auto'), model) == list(hand.units)
+
+
+def test_the_plan_log_says_which_classes_auto_chose_and_their_share():
+    model = GPT(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    lines = []
+    log_sharding_plan(types.SimpleNamespace(info=lines.append, warning=lines.append),
+                      plan_for(MMFullyShard, dict(auto_wrap_policy='auto'), model, 2))
+    assert "auto_wrap_policy='auto' chose the repeated blocks: 4 x TransformerBlock (85% of " \
+           'the parameters)' in lines[0]
+    hand = format_plan(plan_for(MMFullyShard, dict(auto_wrap_policy=dict(
+        type='transformer', layer_cls=['TransformerBlock'])), model, 2))
+    assert 'units: 4 x TransformerBlock (85% of the parameters)' in hand
