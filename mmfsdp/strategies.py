@@ -28,9 +28,11 @@ FSDP2, FSDP1 = 'mmfsdp.MMFullyShard', 'mmfsdp.MMFullyShardedDataParallel'
 #: ``FSDPStrategy``'s ``model_wrapper.type`` (mmengine's FSDP1 wrapper's name) -> the wrapper.
 _WRAPPERS = {None: FSDP2, 'MMFullyShard': FSDP2, FSDP2: FSDP2,
              'MMFullyShardedDataParallel': FSDP1, FSDP1: FSDP1}
-#: ``zero_optimization.stage`` -> ``model_wrapper_cfg``.
+#: ``zero_optimization.stage`` -> ``model_wrapper_cfg``. DeepSpeed takes no wrap policy
+#: (ZeRO-3 gathers parameter by parameter): the units are the model's repeated blocks.
 _STAGES = {0: dict(type='mmfsdp.MMDistributedDataParallel'), **{
-    stage: dict(type=FSDP2, reshard_after_forward=stage == 3) for stage in (1, 2, 3)}}
+    stage: dict(type=FSDP2, reshard_after_forward=stage == 3, auto_wrap_policy='auto')
+    for stage in (1, 2, 3)}}
 _FORMATS = dict(full='full', local='sharded', sharded='sharded')  # or 'FULL_STATE_DICT', ...
 
 

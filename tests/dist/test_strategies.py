@@ -35,12 +35,12 @@ RUNS = dict(
                    type='AdamW', lr=1e-2)), checkpoint=dict(state_dict_type='sharded'))),
     zero3_fp16=(dict(strategy=DS3, optim_wrapper=dict(DECAY, type='DeepSpeedOptimWrapper')),
                 dict(model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard',
-                                            reshard_after_forward=True),
+                                            reshard_after_forward=True, auto_wrap_policy='auto'),
                      optim_wrapper=dict(AMP, dtype='float16', loss_scale=dict(
                          init_scale=2.0**15, growth_interval=500)))),
     zero2_bf16=(dict(strategy=DS2, optim_wrapper=dict(DECAY, type='DeepSpeedOptimWrapper')),
                 dict(model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard',
-                                            reshard_after_forward=False),
+                                            reshard_after_forward=False, auto_wrap_policy='auto'),
                      optim_wrapper=dict(AMP, dtype='bfloat16', loss_scale=dict(enabled=False)))),
 )
 

@@ -182,7 +182,7 @@ def test_mmpretrain_deepspeed_strategy(stage, reshard):
                                                           stage=stage))
     out = _translate(strategy, optim_wrapper=MMPRETRAIN_DS_OPTIM)
     assert out.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
-                                         reshard_after_forward=reshard)
+                                         reshard_after_forward=reshard, auto_wrap_policy='auto')
     optim = out.optim_wrapper_cfg(MMPRETRAIN_DS_OPTIM)
     assert optim == dict(MMPRETRAIN_DS_OPTIM, type=AmpOptimWrapper, dtype='float16',
                          loss_scale=dict(init_scale=2.0**15, growth_interval=500))
@@ -211,7 +211,7 @@ def test_deepspeed_bf16_stage2_and_stage0():
                           zero_optimization=dict(stage=2), gradient_accumulation_steps=2),
                      optim_wrapper=dict(type='DeepSpeedOptimWrapper'))
     assert out.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
-                                         reshard_after_forward=False)
+                                         reshard_after_forward=False, auto_wrap_policy='auto')
     assert out.optim_wrapper == dict(type=AmpOptimWrapper, dtype='bfloat16', accumulative_counts=2,
                                      loss_scale=dict(enabled=False))
     plain = _translate(dict(type='DeepSpeedStrategy'), optim_wrapper=dict(
