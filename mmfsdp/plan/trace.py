@@ -74,13 +74,38 @@ class StepTrace:
         return self.peak_bytes - self.activation_bytes
 
 
-def _leaves(obj: Any) -> List[Any]:
-    """The leaves of nested lists, tuples and dicts (an op's arguments or outputs)."""
-    if isinstance(obj, (list, tuple)):
-        return [leaf for item in obj for leaf in _leaves(item)]
-    if isinstance(obj, Mapping):
-        return [leaf for item in obj.values() for leaf in _leaves(item)]
-    return [obj]
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], objects: bool = True,
+                 memo: Optional[dict] = None) -> Any:
+    """``value`` with each tensor ``t`` replaced by ``fn(t)``, copied only where one changed.
+
+    Tensors are found in lists, tuples, dicts and, with ``objects``, the
+    attributes of plain objects (mmengine's data samples, mmdet's boxes).
+    """
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if id(value) in memo or isinstance(value, (nn.Module, type, str, bytes)) or callable(value):
+        return memo.get(id(value), value)
+    memo[id(value)] = value  # cycles end here
+    if isinstance(value, (list, tuple)):
+        items = [_map_tensors(v, fn, objects, memo) for v in value]
+        if any(a is not b for a, b in zip(items, value)):
+            memo[id(value)] = (type(value)(*items) if hasattr(value, '_fields')
+                               else type(value)(items))
+    elif isinstance(value, dict) or (objects and hasattr(value, '__dict__')):
+        fields = value if isinstance(value, dict) else vars(value)
+        items = {k: _map_tensors(v, fn, objects, memo) for k, v in fields.items()}
+        if any(items[k] is not v for k, v in fields.items()):
+            memo[id(value)] = copy.copy(value)
+            (memo[id(value)] if isinstance(value, dict) else vars(memo[id(value)])).update(items)
+    return memo[id(value)]
+
+
+def _tensors(value: Any, objects: bool = False) -> List[torch.Tensor]:
+    """The tensors in ``value`` (an op's arguments or outputs), found as by :func:`_map_tensors`."""
+    found: List[torch.Tensor] = []
+    _map_tensors(value, lambda t: found.append(t) or t, objects)
+    return found
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -89,15 +114,13 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self, limit: Optional[int] = None) -> None:
         super().__init__()
         self.live: Dict[int, Tuple[int, str]] = {}
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
         self.unit_stack: List[str] = ['']
         self.limit = limit  # bytes; beyond them a step on real tensors stops
         self.owner: Optional[_LiveBytes] = None  # the count that adopted these storages
 
     def _free(self, key: int) -> None:
-        nbytes, _ = self.live.pop(key, (0, ''))
-        self.current -= nbytes
+        self.current -= self.live.pop(key, (0, ''))[0]
         if self.owner is not None:
             self.owner._free(key)
 
@@ -109,206 +132,63 @@ class _LiveBytes(TorchDispatchMode):
                 self.live[key] = (nbytes, self.unit_stack[-1])
                 self.current += nbytes
 
-    def sizes(self) -> Tuple[int, ...]:
-        """The size of every live storage, largest first."""
-        return tuple(sorted((nbytes for nbytes, _ in self.live.values()), reverse=True))
-
-    def by_unit(self) -> Dict[str, int]:
-        out: Dict[str, int] = {}
-        for nbytes, unit in self.live.values():
-            out[unit] = out.get(unit, 0) + nbytes
-        return out
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # A view, or an in-place op, returns storage it was given: not a new allocation.
-        given = {storage_key(t) for t in _leaves((args, kwargs or {}))
-                 if isinstance(t, torch.Tensor)}
-        for tensor in _leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage_key(tensor)
-            if key in given or key in self.live:
-                continue
-            self.live[key] = (storage.nbytes(), self.unit_stack[-1])
-            self.current += storage.nbytes()
-            weakref.finalize(storage, self._free, key)
+        given = {storage_key(t) for t in _tensors((args, kwargs))}
+        for tensor in _tensors(out):
+            storage, key = tensor.untyped_storage(), storage_key(tensor)
+            if key not in given and key not in self.live:
+                self.live[key] = (storage.nbytes(), self.unit_stack[-1])
+                self.current += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
         self.peak = max(self.peak, self.current)
         if self.limit is not None and self.current > self.limit:
             raise MemoryError(f'more than {_size(self.limit)} allocated')
         return out
 
 
-def _copy_replacing(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are ``make(tensor)``.
+def _made(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]
+          ) -> Dict[int, torch.Tensor]:
+    """``make(t)`` (a parameter for a parameter) by ``id(t)``, for ``module``'s tensors.
 
-    The tensors are never copied themselves: a real model costs no memory, and
-    no buffer is deep-copied inside fake mode (a plain buffer cannot be: fake
-    tensors have no ``new_empty``). Tied tensors stay one tensor.
+    As the memo of ``copy.deepcopy(module, memo)`` it copies the module without
+    copying a tensor: a real model costs no memory, and no buffer is
+    deep-copied inside fake mode (a plain buffer cannot be: fake tensors have
+    no ``new_empty``; the copy is made outside it). Tied tensors stay one tensor.
     """
-    memo: Dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if id(tensor) not in memo:
-            made = make(tensor)
-            memo[id(tensor)] = (nn.Parameter(made, tensor.requires_grad)
-                                if isinstance(tensor, nn.Parameter) else made)
-    return copy.deepcopy(model, memo)
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device='meta')
-
-
-def _fake_copy(shell: nn.Module, compute_dtype: Optional[torch.dtype],
-               fp32_modules: Tuple[str, ...] = ()) -> nn.Module:
-    """``shell`` (a :func:`_copy_replacing` copy) with fake CPU tensors (call under fake mode).
-
-    Floating-point parameters take ``compute_dtype``, as mixed precision
-    gathers them, except those of ``fp32_modules``, which compute in fp32 with
-    their inputs cast up and outputs cast back, as the wrappers run them.
-    """
-    fake = shell
-    kept = tuple(fp32_modules)
-    made: Dict[int, torch.Tensor] = {}  # by id of the placeholder: tied tensors stay tied
-
-    def empty(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        if dtype is None or not t.is_floating_point():
-            dtype = t.dtype
-        return torch.empty(t.shape, dtype=dtype, device='cpu')
-
-    for name, module in fake.named_modules():
-        in_fp32 = any(name == k or name.startswith(k + '.') for k in kept)
-        dtype = None if in_fp32 else compute_dtype
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if id(param) not in made:
-                made[id(param)] = nn.Parameter(empty(param, dtype), param.requires_grad)
-            module.register_parameter(pname, made[id(param)])
-        for bname, buffer in list(module.named_buffers(recurse=False)):
-            if id(buffer) not in made:
-                made[id(buffer)] = empty(buffer, None)
-            replace_registered(module, bname, made[id(buffer)])
-    if compute_dtype is not None:
-        for name in kept:
-            compute_in_fp32(fake.get_submodule(name))
-    return fake.train()
-
-
-def _track_units(model: nn.Module, units: Tuple[str, ...], live: _LiveBytes) -> None:
-    """Keep ``live.unit_stack`` on the innermost unit whose forward is running."""
-    def enter(name: str) -> None:
-        live.unit_stack.append(name)
-
-    def leave() -> None:
-        live.unit_stack.pop()
-
-    for name in units:
-        module = model.get_submodule(name)
-        module.register_forward_pre_hook(lambda m, args, name=name: enter(name))
-        module.register_forward_hook(lambda m, args, out: leave())
+    return {id(t): nn.Parameter(make(t), t.requires_grad) if isinstance(t, nn.Parameter)
+            else make(t) for t in itertools.chain(module.parameters(), module.buffers())}
 
 
 def _loss(output: Any) -> torch.Tensor:
     """The scalar to differentiate: mmengine's ``loss`` entries summed, else every float output."""
     if isinstance(output, Mapping):
-        tensors = [v for k, v in output.items() if 'loss' in k]
-        output = tensors or list(output.values())
-    leaves = [t for t in _leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        output = [v for k, v in output.items() if 'loss' in k] or list(output.values())
+    leaves = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise ValueError('the traced step produced no differentiable output to call backward on')
     return sum(t.float().sum() if t.dim() else t.float() for t in leaves)
-
-
-def _preprocessor_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose data preprocessor holds real CPU tensors (the rest: meta).
-
-    The batch is made with real tensors, before fake mode: preprocessing code
-    may branch on values (mmengine's ``stack_batch`` on the padding it needs),
-    which fake tensors do not have. A meta buffer (a dry run's model) has no
-    value either: it becomes ones (floats) or zeros, which keeps the batch's
-    shapes and dtypes, all that the trace measures.
-    """
-    pre = getattr(model, 'data_preprocessor', None)
-    own = ({id(t) for t in itertools.chain(pre.parameters(), pre.buffers())}
-           if isinstance(pre, nn.Module) else set())
-
-    def make(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in own:
-            return _meta(t)
-        if not t.is_meta:
-            return t.detach().clone()
-        fill = torch.ones if t.is_floating_point() else torch.zeros
-        return fill(t.shape, dtype=t.dtype, device='cpu')
-
-    return _copy_replacing(model, make)
-
-
-def _real_batch(model: nn.Module, batch: BatchFn) -> Tuple[tuple, Dict[str, Any], set]:
-    """``batch`` run on real tensors, and the storages it allocated (counted in the trace)."""
-    made = _LiveBytes()
-    with made:
-        args, kwargs = batch(_preprocessor_copy(model))
-    return args, kwargs, set(made.live)
-
-
-def _into_trace(value: Any, allocated: set, compute_dtype: Optional[torch.dtype],
-                keep: List[torch.Tensor]) -> Any:
-    """The batch as the traced step sees it (call under the live-bytes mode).
-
-    What preprocessing allocated is allocated again here, so that it counts
-    as it did when the batch was made inside the trace; floating inputs are
-    cast to ``compute_dtype``, as mixed precision casts the root's inputs.
-    """
-    if isinstance(value, (list, tuple)):
-        return type(value)(_into_trace(v, allocated, compute_dtype, keep) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _into_trace(v, allocated, compute_dtype, keep) for k, v in value.items()}
-    if not isinstance(value, torch.Tensor):
-        return value
-    if storage_key(value) in allocated:
-        value = value.clone()
-        keep.append(value)  # the step holds its preprocessed batch until it ends
-    if compute_dtype is not None and value.is_floating_point():
-        value = value.to(compute_dtype)
-    return value
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], memo: Optional[dict] = None
-                 ) -> Any:
-    """``value`` with each tensor ``t`` replaced by ``fn(t)``, copied only where one changed.
-
-    Tensors are found in lists, tuples, dicts and the attributes of plain
-    objects (mmengine's data samples, mmdet's boxes).
-    """
-    memo = {} if memo is None else memo
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if id(value) in memo or isinstance(value, (nn.Module, type, str, bytes)) or callable(value):
-        return memo.get(id(value), value)
-    memo[id(value)] = value  # cycles end here
-    if isinstance(value, (list, tuple)):
-        items = [_map_tensors(v, fn, memo) for v in value]
-        if any(a is not b for a, b in zip(items, value)):
-            memo[id(value)] = (type(value)(*items) if hasattr(value, '_fields')
-                               else type(value)(items))
-    elif isinstance(value, dict) or hasattr(value, '__dict__'):
-        fields = value if isinstance(value, dict) else vars(value)
-        items = {k: _map_tensors(v, fn, memo) for k, v in fields.items()}
-        if any(items[k] is not v for k, v in fields.items()):
-            memo[id(value)] = copy.copy(value)
-            (memo[id(value)] if isinstance(value, dict) else vars(memo[id(value)])).update(items)
-    return memo[id(value)]
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
     """A real CPU tensor for fake ``t``, of its shape, random values (call outside fake mode)."""
     if not is_fake(t):
         return t
-    real = torch.empty(t.shape, dtype=t.dtype)
-    real = real.normal_() if real.is_floating_point() else real.zero_()
+    real = (torch.randn if t.is_floating_point() else torch.zeros)(t.shape, dtype=t.dtype)
     return real.requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def _raising(make: Callable[[Exception], Exception]) -> Iterator[None]:
+    """Raise ``make(error)`` from an error inside; a :class:`RealPartError` passes unchanged."""
+    try:
+        yield
+    except RealPartError:
+        raise
+    except Exception as error:
+        raise make(error) from error
 
 
 class _Bridge(torch.autograd.Function):
@@ -326,7 +206,7 @@ class _Bridge(torch.autograd.Function):
             ones = [torch.ones(t.shape, dtype=t.dtype) for t in part.outputs]
             base = live.current - part.real.current  # what the trace holds beside the part
             part.real.peak = part.real.current
-            with part.failing_as_itself(), part.real:
+            with _raising(part.failed), part.real:
                 torch.autograd.backward(part.outputs, ones)
             live.peak = max(live.peak, base + part.real.peak)
             part.outputs = []  # the real graph goes; its storages leave ``live`` as they die
@@ -346,28 +226,16 @@ class _RealPart:
     def __init__(self, name: str, module: nn.Module, method: str, cause: str, live: _LiveBytes,
                  limit: int) -> None:
         self.name, self.module, self.call = name, module, getattr(module, method)
-        self.cause = cause
-        self.live, self.limit = live, limit
+        self.cause, self.live, self.limit = cause, live, limit
         self.outputs: List[torch.Tensor] = []
 
-    @contextlib.contextmanager
-    def failing_as_itself(self) -> Iterator[None]:
+    def failed(self, error: Exception) -> 'RealPartError':
         """An error on real tensors is the model's own (or the limit's): say so, do not retry."""
-        try:
-            yield
-        except RealPartError:
-            raise
-        except Exception as e:
-            hint = (f'; such parts run on this host up to {_size(self.limit)} (a quarter of '
-                    "its memory); --input-shape traces the model in mode='tensor' instead"
-                    if isinstance(e, MemoryError) else '')
-            raise RealPartError(f'{self.name} cannot be traced ({self.cause}) and failed on real '
-                                f'CPU tensors too: {_cause(e)}{hint}') from e
-
-    def _input(self, t: torch.Tensor) -> torch.Tensor:
-        if is_fake(t) and t.requires_grad:
-            self.inputs.append(t)  # its gradient goes back into the trace
-        return _real(t)
+        hint = (f'; such parts run on this host up to {_size(self.limit)} (a quarter of '
+                "its memory); --input-shape traces the model in mode='tensor' instead"
+                if isinstance(error, MemoryError) else '')
+        return RealPartError(f'{self.name} cannot be traced ({self.cause}) and failed on real '
+                             f'CPU tensors too: {_cause(error)}{hint}')
 
     def _swap(self, tensors: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
         """Put ``tensors`` (by id of the ones they replace) in the module; return the old ones."""
@@ -380,12 +248,12 @@ class _RealPart:
         return old
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.inputs: List[torch.Tensor] = []
-        with dispatch_modes_off(), self.failing_as_itself():
-            args, kwargs = _map_tensors((args, kwargs), self._input)
-            real = {id(t): (nn.Parameter(_real(t), t.requires_grad) if isinstance(
-                t, nn.Parameter) else _real(t)) for t in itertools.chain(
-                    self.module.parameters(), self.module.buffers())}
+        with dispatch_modes_off(), _raising(self.failed):
+            # the gradients of fake inputs go back into the trace
+            self.inputs = [t for t in _tensors((args, kwargs), objects=True)
+                           if is_fake(t) and t.requires_grad]
+            args, kwargs = _map_tensors((args, kwargs), _real)
+            real = _made(self.module, _real)
             held = sum(t.nbytes for t in real.values())
             if held > self.limit:
                 raise MemoryError(f'its parameters take {_size(held)}')
@@ -399,7 +267,7 @@ class _RealPart:
                     out = self.call(*args, **kwargs)
             finally:
                 self._swap(fakes)
-            _map_tensors(out, lambda t: self.outputs.append(t) if t.requires_grad else t)
+            self.outputs += [t for t in _tensors(out, objects=True) if t.requires_grad]
             self.live.peak = max(self.live.peak, self.live.current + self.real.peak)
             self.live.adopt(self.real, skip={storage_key(t) for t in self.outputs})
         if not self.outputs:
@@ -415,22 +283,7 @@ class RealPartError(RuntimeError):
 
 
 class _NeedsValues(Exception):
-    """The fake trace stopped where the model needs tensor values: ``part`` runs on real ones."""
-
-    def __init__(self, part: Tuple[str, str], cause: str) -> None:
-        super().__init__(cause)
-        self.part, self.cause = part, cause
-
-
-@contextlib.contextmanager
-def _needing_values(model: nn.Module) -> Iterator[None]:
-    """Turn an error of the model's code under fake tensors into :class:`_NeedsValues`."""
-    try:
-        yield
-    except RealPartError:
-        raise
-    except Exception as error:  # where it needs values, and what it was doing there
-        raise _NeedsValues(_part_of(error, model), _cause(error)) from error
+    """The fake trace stopped (its ``__cause__``) where the model's code needs tensor values."""
 
 
 def _part_of(error: BaseException, model: nn.Module) -> Tuple[str, str]:
@@ -440,14 +293,13 @@ def _part_of(error: BaseException, model: nn.Module) -> Tuple[str, str]:
     ``loss``: its result is only summed into the loss), else the model's forward.
     """
     names = {id(m): n for n, m in model.named_modules()}
-    found = []
     for frame, _ in traceback.walk_tb(error.__traceback__):
         owner, code = frame.f_locals.get('self'), frame.f_code
-        method = getattr(type(owner), code.co_name, None) if id(owner) in names else None
+        method = getattr(type(owner), code.co_name, None) if names.get(id(owner)) else None
         if (callable(method) and getattr(inspect.unwrap(method), '__code__', None) is code
                 and not code.co_filename.startswith(TORCH_DIR)):
-            found.append((names[id(owner)], code.co_name))
-    return next((f for f in found if f[0]), ('', 'forward'))
+            return names[id(owner)], code.co_name
+    return '', 'forward'
 
 
 def _cause(error: BaseException) -> str:
@@ -479,32 +331,37 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
     at most :data:`MAX_REAL_PARTS` times), up to ``real_bytes_limit`` bytes
     (default: a quarter of this host's memory).
     """
-    args, kwargs, allocated = _real_batch(model, batch)
+    # The batch is made with real tensors, before fake mode: preprocessing code may
+    # branch on values (mmengine's stack_batch on the padding it needs), which fake
+    # tensors do not have; the rest of the model is meta. A meta preprocessor tensor (a
+    # dry run's model) has no value either: it becomes ones (floats) or zeros, which
+    # keeps the batch's shapes and dtypes, all that the trace measures.
+    made, pre = _LiveBytes(), getattr(model, 'data_preprocessor', None)
+    with made:  # what it allocates, the trace allocates again to count it
+        memo = _made(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device='meta'))
+        if isinstance(pre, nn.Module):
+            memo.update(_made(pre, lambda t: t.detach().clone() if not t.is_meta else (
+                torch.ones if t.is_floating_point() else torch.zeros)(t.shape, dtype=t.dtype)))
+        args, kwargs = batch(copy.deepcopy(model, memo))
     limit = real_bytes_limit or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 4
-    parts: Dict[Tuple[str, str], str] = {}
+    kept = {id(p) for name in fp32_modules for p in model.get_submodule(name).parameters()}
+    parts: Dict[Tuple[str, str], str] = {}  # (module, method) on real tensors: why
     while True:
-        try:
-            return _trace_once(model, args, kwargs, allocated, units, checkpoint_layers,
-                               compute_dtype, fp32_modules, checkpointing, parts, limit)
-        except _NeedsValues as need:
-            if need.part in parts or len(parts) == MAX_REAL_PARTS:
-                raise RuntimeError(f'the training step cannot be traced: {need.cause}'
-                                   ) from need.__cause__
-            parts[need.part] = need.cause
-
-
-def _trace_once(model: nn.Module, args: tuple, kwargs: Dict[str, Any], allocated: set,
-                units: Tuple[str, ...], checkpoint_layers: Tuple[Type[nn.Module], ...],
-                compute_dtype: Optional[torch.dtype], fp32_modules: Tuple[str, ...],
-                checkpointing: Optional[ActivationCheckpointing],
-                parts: Mapping[Tuple[str, str], str], limit: int) -> StepTrace:
-    """One trace, ``parts`` (``(module, method)``) on real tensors; raises :class:`_NeedsValues`."""
-    shell = _copy_replacing(model, _meta)
-    keep: List[torch.Tensor] = []
-    with fake_tensor_mode():
-        fake = _fake_copy(shell, compute_dtype, fp32_modules)
-        live = _LiveBytes()
-        _track_units(fake, units, live)
+        # Floating-point parameters take compute_dtype, as mixed precision gathers them,
+        # but those of fp32_modules, which compute in fp32 with their inputs cast up and
+        # outputs cast back, as the wrappers run them.
+        mode, live = fake_tensor_mode(), _LiveBytes()
+        with mode:
+            tensors = _made(model, lambda t: torch.empty(t.shape, device='cpu', dtype=(
+                compute_dtype if compute_dtype is not None and isinstance(t, nn.Parameter)
+                and t.is_floating_point() and id(t) not in kept else t.dtype)))
+        fake = copy.deepcopy(model, tensors).train()
+        for name in fp32_modules if compute_dtype is not None else ():
+            compute_in_fp32(fake.get_submodule(name))
+        for name in units:  # live.unit_stack: the innermost unit whose forward is running
+            module = fake.get_submodule(name)  # (hooks return None: __delitem__, not pop)
+            module.register_forward_pre_hook(lambda m, a, n=name, s=live.unit_stack: s.append(n))
+            module.register_forward_hook(lambda m, a, o, s=live.unit_stack: s.__delitem__(-1))
         apply_activation_checkpointing_to(fake, tuple(checkpoint_layers), checkpointing)
         for param in fake.parameters():
             # The wrapper takes each gradient as it is accumulated (reduces it into
@@ -515,18 +372,35 @@ def _trace_once(model: nn.Module, args: tuple, kwargs: Dict[str, Any], allocated
             module = fake.get_submodule(name)
             setattr(module, method, _RealPart(f'{name or "(root)"}.{method}', module, method,
                                               cause, live, limit))
-        with live:
-            args, kwargs = _into_trace((args, kwargs), allocated, compute_dtype, keep)
-            with _needing_values(fake):
-                output = fake(*args, **kwargs)
-            loss = _loss(output)
-            del output  # what backward does not need dies here, as in training
-            activations, by_unit, sizes = live.current, live.by_unit(), live.sizes()
-            with _needing_values(fake):
-                loss.backward()
-    return StepTrace(activation_bytes=activations, peak_bytes=live.peak, by_unit=by_unit,
-                     checkpointed=tuple(c.__name__ for c in checkpoint_layers),
-                     compute_dtype=compute_dtype or next(model.parameters()).dtype,
-                     activation_sizes=sizes,
-                     real_parts=tuple(f'{name or "(root)"}.{method} ({cause})'
-                                      for (name, method), cause in parts.items()))
+        try:
+            with mode, live:
+                # The step holds its preprocessed batch until it ends: what preprocessing
+                # allocated is allocated again; floating inputs are cast to compute_dtype,
+                # as mixed precision casts the root's inputs.
+                held = _map_tensors((args, kwargs), lambda t: t.clone() if storage_key(
+                    t) in made.live else t, objects=False)
+                inputs, named = _map_tensors(held, lambda t: t.to(compute_dtype) if (
+                    compute_dtype is not None and t.is_floating_point()) else t, objects=False)
+                with _raising(_NeedsValues):
+                    output = fake(*inputs, **named)
+                loss = _loss(output)
+                del output  # what backward does not need dies here, as in training
+                activations, by_unit = live.current, {}
+                for nbytes, unit in live.live.values():
+                    by_unit[unit] = by_unit.get(unit, 0) + nbytes
+                sizes = tuple(sorted((n for n, _ in live.live.values()), reverse=True))
+                with _raising(_NeedsValues):
+                    loss.backward()
+            return StepTrace(activation_bytes=activations, peak_bytes=live.peak, by_unit=by_unit,
+                             checkpointed=tuple(c.__name__ for c in checkpoint_layers),
+                             compute_dtype=compute_dtype or next(model.parameters()).dtype,
+                             activation_sizes=sizes,
+                             real_parts=tuple(f'{name or "(root)"}.{method} ({cause})'
+                                              for (name, method), cause in parts.items()))
+        except _NeedsValues as need:  # where it needs values, and what it was doing there
+            part, cause = _part_of(need.__cause__, fake), _cause(need.__cause__)
+            if part in parts or len(parts) == MAX_REAL_PARTS:
+                raise RuntimeError(f'the training step cannot be traced: {cause}'
+                                   ) from need.__cause__
+            parts[part] = cause
+            loss = None  # the failed attempt's graph (real parts' tensors) goes before the next
