@@ -3,7 +3,6 @@
 One sample, collated and preprocessed as ``train_step`` does, through the
 pipeline at its largest scale (``docs/plan.md``).
 """
-import functools
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -21,47 +20,40 @@ def _pair(scale: Any) -> Tuple[int, int]:
     return (scale, scale) if isinstance(scale, (int, float)) else tuple(scale)
 
 
-def _resize(transform: Mapping[str, Any], scale: Tuple[float, float], kind: str) -> Dict[str, Any]:
-    """``Resize`` to exactly ``scale`` (w, h): of every aspect ratio, the largest image."""
-    kept = {k: v for k, v in transform.items()
-            if k not in ('type', 'scale', 'scales', 'ratio_range', 'keep_ratio', 'resize_type')}
-    return dict(kept, type=kind, scale=(int(scale[0]), int(scale[1])), keep_ratio=False)
-
-
 def _largest(transform: Mapping[str, Any]) -> Optional[List[Dict[str, Any]]]:
     """The transforms that produce ``transform``'s largest image (``None``: it draws no size).
 
     mmcv's and mmdet's conventions: a scale is (w, h), or (long, short) edges
     under ``keep_ratio``, whose largest image has the aspect ratio of the scale
-    itself; ``RandomResize`` draws each edge between its two scales, or
-    multiplies one by a ratio of ``ratio_range``; ``RandomCrop`` sizes are (h, w).
+    itself: a ``Resize`` to exactly that scale. ``RandomResize`` draws each
+    edge between its two scales, or multiplies one by a ratio of
+    ``ratio_range``; ``RandomCrop`` sizes are (h, w).
     """
     kind = str(transform.get('type', '')).split('.')[-1]
-    resize = transform.get('resize_type', 'Resize')
-    keep = transform.get('keep_ratio', False)
-    if kind == 'RandomChoiceResize':
-        scales = [_pair(s) for s in transform['scales']]
-        scales = [(max(s), min(s)) for s in scales] if keep else scales
-        return [_resize(transform, max(scales, key=lambda s: s[0] * s[1]), resize)]
-    if kind == 'RandomResize' and transform.get('ratio_range'):
-        scale, ratio = _pair(transform['scale']), max(transform['ratio_range'])
-        scale = (max(scale), min(scale)) if keep else scale
-        return [_resize(transform, (scale[0] * ratio, scale[1] * ratio), resize)]
-    if kind == 'RandomResize':
-        scales = [_pair(s) for s in transform['scale']]
-        return [_resize(transform, (max(map(max, scales)), max(map(min, scales))), resize)]
-    if kind == 'Resize' and keep and transform.get('scale') is not None:
-        scale = _pair(transform['scale'])
-        return [_resize(transform, (max(scale), min(scale)), transform['type'])]
-    if kind == 'RandomCrop' and transform.get('crop_type') == 'absolute_range':
-        side = max(transform['crop_size'])
-        return [dict(transform, crop_type='absolute', crop_size=(side, side))]
-    if kind == 'RandomCrop' and transform.get('crop_type') == 'relative_range':
+    keep, crop = transform.get('keep_ratio', False), transform.get('crop_type')
+    if kind == 'RandomCrop' and crop == 'relative_range':
         return []  # a fraction of the image up to all of it: the whole image
+    if kind == 'RandomCrop' and crop == 'absolute_range':
+        return [dict(transform, crop_type='absolute', crop_size=(max(transform['crop_size']),) * 2)]
     if kind == 'RandomChoice':
         return max((largest_pipeline(branch)[0] for branch in transform['transforms']),
                    key=_area)
-    return None
+    if kind == 'RandomChoiceResize':
+        scales = [_pair(s) for s in transform['scales']]
+    elif kind == 'RandomResize' and transform.get('ratio_range'):
+        scales = [tuple(e * max(transform['ratio_range']) for e in _pair(transform['scale']))]
+    elif kind == 'RandomResize':
+        edges = [_pair(s) for s in transform['scale']]
+        scales = [(max(map(max, edges)), max(map(min, edges)))]
+    elif kind == 'Resize' and keep and transform.get('scale') is not None:
+        scales = [_pair(transform['scale'])]
+    else:
+        return None
+    w, h = max(((max(s), min(s)) if keep else s for s in scales), key=lambda s: s[0] * s[1])
+    kept = {k: v for k, v in transform.items()
+            if k not in ('type', 'scale', 'scales', 'ratio_range', 'keep_ratio', 'resize_type')}
+    resize = transform['type'] if kind == 'Resize' else transform.get('resize_type', 'Resize')
+    return [dict(kept, type=resize, scale=(int(w), int(h)), keep_ratio=False)]
 
 
 def _area(pipeline: Sequence[Mapping[str, Any]]) -> int:
@@ -76,22 +68,21 @@ def _area(pipeline: Sequence[Mapping[str, Any]]) -> int:
     return w * h
 
 
-def largest_pipeline(pipeline: Sequence[Any]) -> Tuple[List[Any], List[str]]:
+def largest_pipeline(pipeline: Sequence[Any], notes: Optional[List[str]] = None
+                     ) -> Tuple[List[Any], List[str]]:
     """``pipeline`` (a list of transform configs, left as it is) drawing its largest images.
 
-    Returns the new list and a note per transform changed.
+    Returns the new list and a note per transform changed (appended to ``notes``).
     """
     out: List[Any] = []
-    notes = []
+    notes = [] if notes is None else notes
     for transform in pipeline:
         largest = _largest(transform) if isinstance(transform, Mapping) else None
-        if largest is None:
-            out.append(transform)
-            continue
-        out += largest
-        made = ', '.join(f"{t['type']} {'x'.join(map(str, t.get('scale', t.get('crop_size', ()))))}"
-                         for t in largest) or 'none'
-        notes.append(f"{transform['type']} -> {made}")
+        out += [transform] if largest is None else largest
+        if largest is not None:
+            sizes = (t.get('scale', t.get('crop_size', ())) for t in largest)
+            made = ', '.join(f"{t['type']} {'x'.join(map(str, s))}" for t, s in zip(largest, sizes))
+            notes.append(f"{transform['type']} -> {made or 'none'}")
     return out, notes
 
 
@@ -106,16 +97,11 @@ def worst_case_dataset(dataset_cfg: Any) -> Tuple[Any, List[str]]:
 
     def walk(value: Any) -> Any:
         if isinstance(value, Mapping):
-            return {k: (_noted(largest_pipeline(v), notes) if k == 'pipeline' else walk(v))
+            return {k: largest_pipeline(v, notes)[0] if k == 'pipeline' else walk(v)
                     for k, v in value.items()}
         return [walk(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     return walk(dataset_cfg), notes
-
-
-def _noted(result: Tuple[List[Any], List[str]], notes: List[str]) -> List[Any]:
-    notes += result[1]
-    return result[0]
 
 
 def config_batch(dataloader_cfg: Mapping[str, Any], scope: str,
@@ -137,14 +123,12 @@ def config_batch(dataloader_cfg: Mapping[str, Any], scope: str,
         raise ValueError(f'{KEY}.collate_fn.type={kind!r} is not a registered function')
     if len(dataset) == 0:
         raise ValueError(f'{KEY}.dataset is empty: no sample to shape the batch with')
-    samples = [dataset[0]] * size
-    data = functools.partial(collate, **collate_cfg)(samples)
+    data = collate([dataset[0]] * size, **collate_cfg)
 
     def batch(model: nn.Module) -> Tuple[tuple, Dict[str, Any]]:
         processed = model.data_preprocessor(data, True)
-        if isinstance(processed, Mapping):
-            return (), dict(processed, mode='loss')
-        return tuple(processed), dict(mode='loss')
+        return (((), dict(processed, mode='loss')) if isinstance(processed, Mapping)
+                else (tuple(processed), dict(mode='loss')))
 
     return batch, size
 
@@ -155,10 +139,8 @@ def shape_batch(shape: Sequence[int], dtype: torch.dtype = torch.float32,
     shape = [int(batch_size or shape[0]), *map(int, shape[1:])]
 
     def batch(model: nn.Module) -> Tuple[tuple, Dict[str, Any]]:
-        if dtype.is_floating_point:
-            inputs = torch.empty(shape, dtype=dtype).normal_()
-        else:  # token ids: small non-negative integers index any embedding
-            inputs = torch.zeros(shape, dtype=dtype)
+        # token ids (not floats): small non-negative integers index any embedding
+        inputs = (torch.randn if dtype.is_floating_point else torch.zeros)(shape, dtype=dtype)
         processed = model.data_preprocessor(dict(inputs=inputs), True)
         return (), dict(inputs=processed['inputs'], mode='tensor')
 
