@@ -52,8 +52,7 @@ class StepPeak:
         an all-gather output in the compute dtype, a reduce-scatter input in
         the reduce dtype (fp32 under ``param_dtype='bf16', reduce_dtype='fp32'``).
         """
-        spec = self.plan.spec
-        if self.heap_threshold is None or spec.shard_size == 1:
+        if self.heap_threshold is None or self.plan.spec.shard_size == 1:
             return 0
         return max(self.plan.largest_unit.gathered_bytes, self.plan.reduced_in_flight_bytes)
 
@@ -91,27 +90,19 @@ class StepPeak:
 
     def to_dict(self) -> Dict[str, Any]:
         """The parts as plain JSON-able values."""
-        return dict(batch_size=self.batch_size,
-                    activation_checkpointing=list(self.trace.checkpointed),
-                    compute_dtype=str(self.trace.compute_dtype).replace('torch.', ''),
+        trace = self.trace
+        return dict(batch_size=self.batch_size, activation_checkpointing=list(trace.checkpointed),
+                    compute_dtype=str(trace.compute_dtype).replace('torch.', ''),
                     model_state_bytes=self.model_state_bytes, gathered_bytes=self.gathered_bytes,
-                    activation_bytes=self.activation_bytes,
-                    transient_bytes=self.transient_bytes,
-                    traced_transient_bytes=self.trace.transient_bytes,
-                    staging_bytes=self.staging_bytes,
+                    activation_bytes=self.activation_bytes, transient_bytes=self.transient_bytes,
+                    traced_transient_bytes=trace.transient_bytes, staging_bytes=self.staging_bytes,
                     grads_freed_between_steps_bytes=self.freed_grad_bytes,
                     heap_threshold_bytes=self.heap_threshold,
                     heap_activation_bytes=self.heap_activation_bytes,
-                    peak_bytes=self.total_bytes, real_parts=list(self.trace.real_parts),
-                    activation_bytes_by_unit={k or '(root)': v
-                                              for k, v in self.trace.by_unit.items()})
+                    peak_bytes=self.total_bytes, real_parts=list(trace.real_parts),
+                    activation_bytes_by_unit={k or '(root)': v for k, v in trace.by_unit.items()})
 
 
-def step_peak(plan: Plan, trace: StepTrace, batch_size: int,
-              heap_threshold: Optional[int] = None) -> StepPeak:
-    """Combine a plan and a trace of the same model (the trace's batch is one rank's).
-
-    ``heap_threshold``: training on a CPU host, from :func:`.host.heap_threshold`.
-    """
-    return StepPeak(plan=plan, trace=trace, batch_size=batch_size,
-                    heap_threshold=heap_threshold)
+#: Combine a plan and a trace of the same model (the trace's batch is one rank's);
+#: ``heap_threshold``: training on a CPU host, from :func:`.host.heap_threshold`.
+step_peak = StepPeak
