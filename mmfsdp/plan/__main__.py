@@ -29,7 +29,7 @@ from ..wrappers.base import Layout
 from ..wrappers.builder import model_wrapper_config, resolve_wrapper
 from . import format_plan, plan_of, plan_to_dict, step_peak, trace_of
 from .allocator import ALLOCATORS, heap_threshold, launch_allocator
-from .batch import config_batch, shape_batch, worst_case_dataset
+from .batch import config_batch, shape_batch
 from .fit import fit, parse_bytes
 from .report import format_step, size_text
 
@@ -191,11 +191,10 @@ def _batch(args: argparse.Namespace, cfg: Any, scope: str) -> Tuple[Any, int, st
         shape = [int(s) for s in args.input_shape.replace('x', ',').split(',')]
         return (*shape_batch(shape, DTYPES[args.input_dtype], args.batch_size),
                 f"inputs of shape {args.input_shape} (--input-shape), mode='tensor'")
-    loader = cfg.get('train_dataloader') or {}
-    notes = worst_case_dataset(loader.get('dataset') or {})[1]
+    notes: List[str] = []
+    batch = config_batch(cfg.get('train_dataloader') or {}, scope, args.batch_size, notes)
     largest = f" at the pipeline's largest scale ({'; '.join(notes)})" if notes else ''
-    return (*config_batch(loader, scope, args.batch_size),
-            f'one sample of train_dataloader.dataset{largest}, repeated')
+    return (*batch, f'one sample of train_dataloader.dataset{largest}, repeated')
 
 
 def _checkpointed(layout: Optional[Layout], model: nn.Module, layer_cls: List[str]) -> Any:

@@ -105,10 +105,12 @@ def worst_case_dataset(dataset_cfg: Any) -> Tuple[Any, List[str]]:
 
 
 def config_batch(dataloader_cfg: Mapping[str, Any], scope: str,
-                 batch_size: Optional[int] = None) -> Tuple[BatchFn, int]:
+                 batch_size: Optional[int] = None,
+                 notes: Optional[List[str]] = None) -> Tuple[BatchFn, int]:
     """The batch of a ``train_dataloader`` config: ``(batch function, batch size)``.
 
-    The pipeline draws its largest images (:func:`worst_case_dataset`).
+    The pipeline draws its largest images (:func:`worst_case_dataset`); what
+    that changed is appended to ``notes``.
     """
     if not dataloader_cfg or 'dataset' not in dataloader_cfg:
         raise ValueError(f'{KEY}.dataset: the config has no training dataset to take a sample '
@@ -116,13 +118,16 @@ def config_batch(dataloader_cfg: Mapping[str, Any], scope: str,
     size = int(batch_size or dataloader_cfg.get('batch_size', 1))
     collate_cfg = dict(dataloader_cfg.get('collate_fn') or dict(type='pseudo_collate'))
     with DefaultScope.overwrite_default_scope(scope):
-        dataset = DATASETS.build(worst_case_dataset(dataloader_cfg['dataset'])[0])
+        dataset_cfg, changed = worst_case_dataset(dataloader_cfg['dataset'])
+        dataset = DATASETS.build(dataset_cfg)
         kind = collate_cfg.pop('type')
         collate = FUNCTIONS.get(kind) if isinstance(kind, str) else kind
     if collate is None:
         raise ValueError(f'{KEY}.collate_fn.type={kind!r} is not a registered function')
     if len(dataset) == 0:
         raise ValueError(f'{KEY}.dataset is empty: no sample to shape the batch with')
+    if notes is not None:
+        notes.extend(changed)
     data = collate([dataset[0]] * size, **collate_cfg)
 
     def batch(model: nn.Module) -> Tuple[tuple, Dict[str, Any]]:
