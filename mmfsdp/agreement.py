@@ -177,7 +177,8 @@ def _wrapper_lines(wrapping: 'Wrapping') -> List[str]:
 def fingerprint(model: nn.Module, wrapping: 'Wrapping', layout: Optional['Layout'],
                 world_size: int) -> Dict[str, List[str]]:
     """What this rank is about to shard, field by field (see :data:`FIELDS`)."""
-    spec = wrapping.config.sharding_spec(layout, world_size) if layout is not None else None
+    from .plan.spec import sharding_spec  # the plan imports the wrappers, which import this
+    spec = sharding_spec(wrapping.config, layout, world_size) if layout is not None else None
     return {
         'versions': [f'mmfsdp {VERSION}', f'torch {torch.__version__}',
                      f'mmengine {mmengine.__version__}',

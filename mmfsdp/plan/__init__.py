@@ -1,7 +1,7 @@
 """Know before you launch: the sharding plan of a model and its memory per rank.
 
 - :mod:`.memory`: bytes per rank of parameters, gradients, optimizer state,
-  from a wrapper's :class:`~mmfsdp.wrappers.base.ShardingSpec`;
+  from a wrapper's :class:`~mmfsdp.plan.spec.ShardingSpec` (:mod:`.spec`);
 - :mod:`.report`: the table, the JSON object and the warnings;
 - :mod:`.trace`, :mod:`.batch`, :mod:`.step`: activations of one training step
   traced with fake tensors, and the step's peak per rank (imported on first
@@ -19,10 +19,11 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from ..wrappers.base import Construction, Layout, Padding, ShardingSpec
+from ..wrappers.base import Layout
 from ..wrappers.builder import Wrapping, resolve_wrapper
 from .memory import Plan, Unit, make_plan, optimizer_states_per_param
 from .report import format_plan, plan_to_dict, plan_warnings
+from .spec import Construction, Padding, ShardingSpec, sharding_spec
 
 __all__ = ['BatchFn', 'Construction', 'Padding', 'Plan', 'ShardingSpec', 'StepPeak', 'StepTrace',
            'Unit', 'format_plan', 'heap_threshold', 'log_sharding_plan', 'make_plan',
@@ -114,7 +115,7 @@ def _spec(wrapping: Wrapping, layout: Optional[Layout], world_size: int) -> Shar
     if not wrapping.ours:
         raise TypeError(f'{wrapping.cls.__name__} has no sharding plan; plans are available '
                         "for mmfsdp's wrappers")
-    return wrapping.config.sharding_spec(layout, world_size)
+    return sharding_spec(wrapping.config, layout, world_size)
 
 
 def plan_of(wrapping: Wrapping, layout: Optional[Layout], model: nn.Module, world_size: int,

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..wrappers.base import Construction, Padding, ShardingSpec
 from ..wrappers.fsdp import NAME as FSDP1
+from .spec import Construction, Padding, ShardingSpec
 
 __all__ = ['Plan', 'Unit', 'make_plan', 'optimizer_states_per_param']
 

@@ -134,19 +134,6 @@ class FSDPConfig(WrapperConfig):
                              'which needs an accelerator, and this process trains on the CPU; '
                              'set cpu_offload=False (the parameters are on the CPU already)')
 
-    def sharding_spec(self, layout: Layout, world_size: int) -> base.ShardingSpec:
-        """Hybrid strategies shard within a node of ``LOCAL_WORLD_SIZE`` ranks (all, unset)."""
-        strategy = self.sharding_strategy
-        shard = 1 if strategy is ShardingStrategy.NO_SHARD else world_size
-        if self.hybrid:
-            shard = _HYBRID.sizes(world_size, local_world_size() or world_size)[1]
-        return replace(
-            super().sharding_spec(layout, world_size), strategy=strategy.name,
-            shard_size=shard, replicate_size=world_size // shard,
-            padding=base.Padding.FLAT if shard > 1 else base.Padding.NONE,
-            keep_gathered_until_backward=shard > 1 and strategy in (
-                ShardingStrategy.SHARD_GRAD_OP, HYBRID_SHARD_ZERO2),
-            construction=base.Construction.UNIT_BY_UNIT, grads_freed_between_steps=True)
 
 
 def _keep_in_fp32(module: nn.Module, layout: Layout, mixed_precision: Optional[MixedPrecision]

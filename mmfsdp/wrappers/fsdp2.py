@@ -314,19 +314,6 @@ class FullyShardConfig(WrapperConfig):
                              'pin_memory=False, or leave offload out (the parameters are on '
                              'the CPU already)')
 
-    def sharding_spec(self, layout: Layout, world_size: int) -> base.ShardingSpec:
-        """``shard='node'`` means ``LOCAL_WORLD_SIZE`` ranks (the whole world when unset)."""
-        replicate, shard = self.mesh.sizes(world_size, local_world_size() or world_size)
-        reshard = self.reshard_after_forward
-        return replace(
-            super().sharding_spec(layout, world_size), strategy=f'reshard_after_forward={reshard}',
-            shard_size=shard, replicate_size=replicate,
-            padding=base.Padding.DIM0 if shard > 1 else base.Padding.NONE,
-            keep_gathered_until_backward=shard > 1 and reshard is not True,
-            kept_shard_size=reshard if type(reshard) is int else 1,
-            construction=base.Construction.SHARDS if self.init_device == 'meta'
-            else base.Construction.FULL,
-            gathers_unsharded=True, grads_freed_between_steps=True)
 
 
 def _groups(module: nn.Module, layout: Layout) -> List[str]:

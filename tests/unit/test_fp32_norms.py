@@ -13,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
 from mmfsdp.plan.memory import make_plan
+from mmfsdp.plan.spec import sharding_spec
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from vision import GroupNormNet, tiny_resnet
 
@@ -104,7 +105,7 @@ def test_a_parameter_shared_across_the_fp32_boundary_is_refused():
 def test_the_plan_counts_kept_modules_in_fp32():
     for wrapper in (MMFullyShard, MMFullyShardedDataParallel):
         config = wrapper.CONFIG.from_dict(dict(auto_wrap_policy=BLOCKS, mixed_precision=BF16))
-        spec = config.sharding_spec(config.layout(tiny_resnet()), WORLD_SIZE)
+        spec = sharding_spec(config, config.layout(tiny_resnet()), WORLD_SIZE)
         assert spec.fp32_units == ('bn', 'blocks.0.bn1', 'blocks.0.bn2', 'blocks.1.bn1',
                                    'blocks.1.bn2')
         assert spec.units.index('blocks.0.bn1') < spec.units.index('blocks.0')

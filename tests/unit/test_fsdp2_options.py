@@ -17,6 +17,7 @@ from torch.distributed.fsdp import (
 from mmfsdp import MMFullyShard
 from mmfsdp.demo import GPT
 from mmfsdp.options import resolve_init_device
+from mmfsdp.plan.spec import sharding_spec
 from mmfsdp.policies import build_wrap_policy, plan_units
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from mmfsdp.wrappers.base import MeshSpec
@@ -109,7 +110,7 @@ def test_nodes_of_different_sizes_are_named_as_such(monkeypatch):
                    FSDPConfig.from_dict(dict(sharding_strategy='HYBRID_SHARD'))):
         with pytest.raises(ValueError, match='LOCAL_WORLD_SIZE: 3 ranks per node do not divide '
                                              'the world size 4'):
-            config.sharding_spec(config.layout(ToyClassifier()), 4)
+            sharding_spec(config, config.layout(ToyClassifier()), 4)
 
 
 def test_mesh_that_does_not_fit_the_world_says_so():
@@ -293,7 +294,7 @@ def test_sharding_spec_describes_the_mesh_and_the_merged_units(monkeypatch):
 def _spec(options: dict, world_size: int):
     """The sharding of the GPT as the runner resolves it: config, layout, spec."""
     config = resolve_wrapper(dict(type=MMFullyShard, **options)).config
-    return config.sharding_spec(config.layout(_gpt()), world_size)
+    return sharding_spec(config, config.layout(_gpt()), world_size)
 
 
 def test_the_plan_keeps_a_group_share_of_each_unit_with_an_int_reshard_after_forward():
