@@ -7,7 +7,6 @@ each rank's slices. docs/meta-init.md describes the steps.
 """
 import contextlib
 import contextvars
-import logging
 import math
 import re
 import warnings
@@ -19,8 +18,10 @@ import torch.distributed as dist
 from mmengine.logging import print_log
 from mmengine.model import BaseDataPreprocessor, BaseModule
 from mmengine.model.weight_init import PretrainedInit
+from mmengine.runner.checkpoint import load_state_dict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..compat import (
     CHECKPOINT_WRAPPED_MODULE,
@@ -276,12 +277,13 @@ def _read(filename: str, cache: Dict[str, Any]) -> Mapping[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_pretrained(module: nn.Module, filename: str, prefix: Optional[str] = None,
-                    cache: Optional[Dict[str, Any]] = None) -> List[str]:
-    """Copy each rank's slice of a pretrained checkpoint into ``module``; returns the keys loaded.
+                    cache: Optional[Dict[str, Any]] = None) -> None:
+    """Copy each rank's slice of a pretrained checkpoint into ``module``.
 
     As mmengine's ``PretrainedInit`` with ``strict=False``: ``module.`` stripped,
     or only the keys under ``prefix``; missing, unexpected and mis-shaped keys
-    are skipped with one warning.
+    are skipped with mmengine's warning; the module's load pre-hooks run (they
+    resize position tables in mmpretrain's Swin and ViT).
     """
     state = _read(filename, {} if cache is None else cache)
     if prefix is None:
@@ -292,24 +294,37 @@ def load_pretrained(module: nn.Module, filename: str, prefix: Optional[str] = No
         if not state:
             raise ValueError(f'init_cfg Pretrained: prefix {prefix!r} is not in the pretrained '
                              f'model {filename}')
-    targets = module.state_dict(keep_vars=True)
-    loaded, mismatched = [], []
-    for key, target in targets.items():
-        source = state.get(key)
-        if not isinstance(source, torch.Tensor):
-            continue
-        if tuple(source.shape) != tuple(target.shape):
-            mismatched.append(f'{key}: {tuple(source.shape)} vs {tuple(target.shape)}')
-            continue
-        local_tensor(target).copy_(local_part(source, target))
-        loaded.append(key)
-    missing = [k for k in targets if k not in loaded and k not in state]
-    unexpected = [k for k in state if k not in targets]
-    if missing or unexpected or mismatched:
-        print_log(f'init_cfg Pretrained {filename}: missing keys {missing}, unexpected keys '
-                  f'{unexpected}, shape mismatches {mismatched}', logger='current',
-                  level=logging.WARNING)
-    return loaded
+    with sharded_loads(module):  # mmengine's loader: the module's own load hooks run too
+        load_state_dict(module, state, strict=False, logger='current')
+
+
+def _take_slices(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
+    """A ``load_state_dict`` pre-hook: full tensors for ``module``'s shards become this rank's."""
+    for name, target in direct_tensors(module):
+        value = state_dict.get(prefix + name)
+        if (hasattr(target, 'device_mesh') and isinstance(value, torch.Tensor)
+                and not hasattr(value, 'device_mesh') and value.shape == target.shape):
+            state_dict[prefix + name] = DTensor.from_local(
+                local_part(value, target), target.device_mesh, target.placements,
+                run_check=False, shape=target.shape, stride=target.stride())
+
+
+@contextlib.contextmanager
+def sharded_loads(model: nn.Module) -> Iterator[None]:
+    """Inside, loading a state dict of full tensors into ``model`` copies each rank's slices.
+
+    For backbones that load their own weights in ``init_weights`` (mmdet's and
+    mmseg's Swin: position tables interpolated against ``self.state_dict()``,
+    then ``self.load_state_dict``): each sharded parameter takes its slice of the
+    full tensor after the module's own pre-hooks (mmpretrain's interpolation) ran.
+    """
+    handles = [m.register_load_state_dict_pre_hook(_take_slices) for m in model.modules()
+               if any(hasattr(t, 'device_mesh') for _, t in direct_tensors(m))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -417,7 +432,8 @@ def materialize(model: nn.Module, device: torch.device, mesh: Optional[DeviceMes
             tensor = tensors[name][0]
             local_tensor(tensor).fill_(_sentinel(tensor.dtype))
     tracker = WriteTracker()
-    with _shard_seeded_rng(mesh, device), _sharded_pretrained(), tracker:
+    with _shard_seeded_rng(mesh, device), _sharded_pretrained(), sharded_loads(model), \
+            tracker:
         _restore_recorded(model, set(owners))
         forget(model)
         _reset_in_constructor_order(model, targets)

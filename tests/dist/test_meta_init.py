@@ -5,9 +5,10 @@ the cost): a model with a bare ``nn.Parameter``, an ``nn.MultiheadAttention``,
 an ``arange`` buffer, a LayerScale and a ``cls_token`` under FSDP2 and FSDP1
 meta init against eager construction, with and without ``load_from``; a tensor
 nothing writes; ``init_cfg=Pretrained`` with a prefix; an ``init_cfg`` type
-that cannot work on shards; and Hugging Face's ``GPT2LMHeadModel`` (tied
-embeddings) under meta init + ``load_from``. Single-process tests cover the
-construction itself and the plan CLI.
+that cannot work on shards; a backbone that loads its own Pretrained file in
+``init_weights`` (as mmdet's Swin does), after init and after training; and
+Hugging Face's ``GPT2LMHeadModel`` (tied embeddings) under meta init +
+``load_from``. Single-process tests cover the construction itself and the plan CLI.
 """
 import copy
 import os
@@ -17,10 +18,11 @@ import torch
 from mmengine.config import Config
 from mmengine.model import BaseModel, BaseModule
 from mmengine.registry import MODELS
+from mmengine.runner import CheckpointLoader
 from torch import nn
 
 from harness import max_abs_diff, run_distributed
-from toy import runner_config
+from toy import IN_DIM, NUM_CLASSES, runner_config
 
 FS = 'mmfsdp.MMFullyShard'
 FSDP1 = 'mmfsdp.MMFullyShardedDataParallel'
@@ -138,6 +140,55 @@ class PretrainedZoo(BaseModel):
 
 
 @MODELS.register_module()
+class SelfLoadingBackbone(BaseModule):
+    """Loads its ``init_cfg`` Pretrained file in its own ``init_weights``, as mmdet's Swin does.
+
+    The file's ``table`` is interpolated to this model's length, read from
+    ``self.state_dict()``, then ``self.load_state_dict``; ``pos_embed`` has one
+    row, so one of two ranks holds an empty shard of it.
+    """
+
+    def __init__(self, table_len: int = 4, init_cfg=None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1, DIM))
+        self.table = nn.Parameter(torch.zeros(table_len, 2))
+        self.blocks = nn.ModuleList(ZooBlock(DIM, 0.0) for _ in range(2))
+
+    def init_weights(self) -> None:
+        ckpt = CheckpointLoader.load_checkpoint(self.init_cfg['checkpoint'], map_location='cpu')
+        state = {k[9:]: v for k, v in ckpt['state_dict'].items() if k.startswith('backbone.')}
+        size = self.state_dict()['table'].shape[0]
+        state['table'] = nn.functional.interpolate(state['table'].T[None], size=size,
+                                                   mode='linear')[0].T
+        self.load_state_dict(state, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, None] + self.pos_embed + self.table.mean()
+        for block in self.blocks:
+            x = block(x)
+        return x[:, 0]
+
+
+@MODELS.register_module()
+class SelfLoadingZoo(BaseModel):
+    """A :class:`SelfLoadingBackbone` between Linear layers a constant ``init_cfg`` sets."""
+
+    def __init__(self, checkpoint: str = '', data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor,
+                         init_cfg=dict(type='Constant', val=0.25, layer='Linear'))
+        self.embed = nn.Linear(IN_DIM, DIM)
+        self.backbone = SelfLoadingBackbone(init_cfg=dict(type='Pretrained',
+                                                          checkpoint=checkpoint))
+        self.head = nn.Linear(DIM, NUM_CLASSES)
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        logits = self.head(self.backbone(self.embed(inputs)))
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits, data_samples))
+        return logits
+
+
+@MODELS.register_module()
 class TinyGPT2(BaseModel):
     """Hugging Face's GPT-2 LM head model (tied embeddings) from a tiny config."""
 
@@ -178,6 +229,14 @@ def _error(fn) -> str:
     except Exception as e:  # noqa: BLE001  (the test compares the messages)
         return f'{type(e).__name__}: {e}'
     return 'no error'
+
+
+def _full_or_error(*args, **kwargs):
+    """:func:`_full` of ``_runner(*args, **kwargs)``, or the error it raised."""
+    try:
+        return _full(_runner(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001  (the test shows the error)
+        return f'{type(e).__name__}: {e}'
 
 
 def _save_rank0(obj, path: str) -> None:
@@ -231,6 +290,22 @@ def _two_ranks(root: str) -> dict:
         runner = _runner(f'{wrapper}-pretrained', root, model,
                          dict(WRAPPERS[wrapper], init_device='meta'))
         out[f'{wrapper}/pretrained'] = _full(runner)
+    # a backbone that loads the file itself (mmdet's Swin): after init and after 2 iterations
+    torch.manual_seed(11)
+    own = {f'backbone.{k}': v.normal_()
+           for k, v in MODELS.build(dict(type='SelfLoadingBackbone', table_len=6)).state_dict()
+           .items()}
+    own_file = os.path.join(root, 'own.pth')
+    _save_rank0(dict(state_dict=dict(own, **{'neck.weight': torch.ones(2)})), own_file)
+    out['own pretrained'] = own
+    for wrapper in WRAPPERS:
+        for init_device in (None, 'meta'):
+            for iters in (0, 2):
+                out[f'{wrapper}/{init_device}/own/{iters}'] = _full_or_error(
+                    f'{wrapper}-{init_device}-own-{iters}', root,
+                    dict(type='SelfLoadingZoo', checkpoint=own_file),
+                    dict(WRAPPERS[wrapper], init_device=init_device),
+                    train_cfg=dict(by_epoch=False, max_iters=iters, val_interval=iters + 1))
     # an init_cfg type not known to work on shards: an error at wrap time
     bad = build_on_meta(MODELS.build, dict(type='PretrainedZoo', init_type='Orthogonal'))
     out['bad init_cfg'] = _error(lambda: MMFullyShard.from_options(bad, init_device='meta'))
@@ -298,6 +373,20 @@ def test_pretrained_init_cfg_under_meta_init_loads_the_pretrained_weights(runs, 
     assert max_abs_diff(backbone, {k: v for k, v in pretrained.items()
                                 if k.startswith('backbone.')}) == 0
     assert torch.equal(state['head.weight'], torch.full((3, DIM), 0.25))
+
+
+@pytest.mark.parametrize('wrapper', list(WRAPPERS))
+def test_backbone_loading_its_own_pretrained_under_meta_init_equals_eager(runs, wrapper):
+    for iters in (0, 2):
+        meta, eager = (runs[0][f'{wrapper}/{device}/own/{iters}'] for device in ('meta', None))
+        assert isinstance(meta, dict), meta
+        assert max_abs_diff(meta['state'], eager['state']) == 0, iters
+        assert max_abs_diff(meta['buffers'], eager['buffers']) == 0, iters
+    state, pretrained = runs[0][f'{wrapper}/meta/own/0']['state'], runs[0]['own pretrained']
+    assert max_abs_diff({k: state[k] for k in pretrained if 'table' not in k},
+                        {k: v for k, v in pretrained.items() if 'table' not in k}) == 0
+    assert state['backbone.table'].shape == (4, 2)
+    assert torch.equal(state['head.weight'], torch.full((NUM_CLASSES, DIM), 0.25))
 
 
 def test_init_cfg_type_unknown_on_shards_fails_at_wrap_time(runs):
