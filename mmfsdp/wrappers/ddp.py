@@ -8,8 +8,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpointing import resolve_activation_checkpointing
-from ..compile import resolve_regional_compile
 from ..dist import teardown_at_exit
 from ..options import check_keys
 from ..policies import ModelIndex
@@ -19,6 +17,8 @@ from .base import Layout, ParallelWrapper, WrapperConfig, own_steps, prepare_lay
 NAME = 'mmfsdp.MMDistributedDataParallel'
 #: Chosen by the wrapper, not configured.
 _DERIVED = ('self', 'module', 'device_ids', 'output_device')
+#: The options that are mmfsdp's (or mmengine's), not keywords of torch's DDP.
+_OURS = ('detect_anomalous_params', 'activation_checkpointing', 'regional_compile')
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,11 @@ class DDPConfig(WrapperConfig):
         """
         valid = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
                  if n not in _DERIVED]
-        ours = ('detect_anomalous_params', 'activation_checkpointing', 'regional_compile')
-        check_keys(cfg, valid + list(ours), 'model_wrapper_cfg')
-        kwargs = {k: v for k, v in cfg.items() if k not in ours}
-        if 'forward_sync_buffers' not in kwargs:
-            kwargs['forward_sync_buffers'] = kwargs.get('broadcast_buffers') or False
-        kwargs.pop('broadcast_buffers', None)
+        check_keys(cfg, valid + list(_OURS), 'model_wrapper_cfg')
+        kwargs = {k: v for k, v in cfg.items() if k not in _OURS and k != 'broadcast_buffers'}
+        kwargs.setdefault('forward_sync_buffers', cfg.get('broadcast_buffers') or False)
         kwargs.setdefault('gradient_as_bucket_view', True)  # no second copy of the gradients
-        return cls(detect_anomalous_params=bool(cfg.get('detect_anomalous_params', False)),
-                   ddp_kwargs=kwargs, activation_checkpointing=resolve_activation_checkpointing(
-                       cfg.get('activation_checkpointing')),
-                   regional_compile=resolve_regional_compile(cfg.get('regional_compile')))
+        return super().from_dict(dict({k: cfg[k] for k in _OURS if k in cfg}, ddp_kwargs=kwargs))
 
     def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
         """The checkpointed and compiled layers (no units); an own ``train_step`` is refused.

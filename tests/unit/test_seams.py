@@ -62,3 +62,17 @@ def test_wrap_preconditions_apply_in_train_only():
         pre.check(dict(type='OptimWrapper'))
     assert 'optim wrapper is not built' in str(info.value)
     assert 'weights are not initialised' in str(info.value)
+
+
+def test_ddp_options_resolve_through_the_base_config():
+    ddp = 'mmfsdp.MMDistributedDataParallel'
+    config = resolve_wrapper(dict(type=ddp, broadcast_buffers=True, static_graph=True,
+                                  detect_anomalous_params=True)).config
+    assert config.detect_anomalous_params is True
+    assert config.ddp_kwargs == dict(forward_sync_buffers=True, static_graph=True,
+                                     gradient_as_bucket_view=True)
+    with pytest.raises(TypeError, match='model_wrapper_cfg.detect_anomalous_params: '
+                                        "expected True or False, got str 'yes'"):
+        resolve_wrapper(dict(type=ddp, detect_anomalous_params='yes'))
+    with pytest.raises(TypeError, match="unknown key 'static_grap' \\(did you mean 'static_graph'"):
+        resolve_wrapper(dict(type=ddp, static_grap=True))
