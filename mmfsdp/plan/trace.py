@@ -30,6 +30,8 @@ from ..compat import (
     replace_registered,
     storage_key,
 )
+from ..tensors import map_tensors as _map_tensors
+from ..tensors import tensors as _tensors
 from ..wrappers.fsdp2 import compute_in_fp32
 from .report import size_text as _size
 
@@ -72,40 +74,6 @@ class StepTrace:
     def transient_bytes(self) -> int:
         """How far the peak rises above the activations (gradients, recomputation)."""
         return self.peak_bytes - self.activation_bytes
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], objects: bool = True,
-                 memo: Optional[dict] = None) -> Any:
-    """``value`` with each tensor ``t`` replaced by ``fn(t)``, copied only where one changed.
-
-    Tensors are found in lists, tuples, dicts and, with ``objects``, the
-    attributes of plain objects (mmengine's data samples, mmdet's boxes).
-    """
-    memo = {} if memo is None else memo
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if id(value) in memo or isinstance(value, (nn.Module, type, str, bytes)) or callable(value):
-        return memo.get(id(value), value)
-    memo[id(value)] = value  # cycles end here
-    if isinstance(value, (list, tuple)):
-        items = [_map_tensors(v, fn, objects, memo) for v in value]
-        if any(a is not b for a, b in zip(items, value)):
-            memo[id(value)] = (type(value)(*items) if hasattr(value, '_fields')
-                               else type(value)(items))
-    elif isinstance(value, dict) or (objects and hasattr(value, '__dict__')):
-        fields = value if isinstance(value, dict) else vars(value)
-        items = {k: _map_tensors(v, fn, objects, memo) for k, v in fields.items()}
-        if any(items[k] is not v for k, v in fields.items()):
-            memo[id(value)] = copy.copy(value)
-            (memo[id(value)] if isinstance(value, dict) else vars(memo[id(value)])).update(items)
-    return memo[id(value)]
-
-
-def _tensors(value: Any, objects: bool = False) -> List[torch.Tensor]:
-    """The tensors in ``value`` (an op's arguments or outputs), found as by :func:`_map_tensors`."""
-    found: List[torch.Tensor] = []
-    _map_tensors(value, lambda t: found.append(t) or t, objects)
-    return found
 
 
 class _LiveBytes(TorchDispatchMode):

@@ -41,6 +41,7 @@ from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
+from ..tensors import full_precision
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -280,6 +281,11 @@ class WrapperConfig:
         """The dtype mixed precision computes in (``None``: the parameters' own)."""
         return getattr(getattr(self, 'mixed_precision', None), 'param_dtype', None)
 
+    @property
+    def low_precision(self) -> bool:
+        """Whether mixed precision computes below fp32 (bf16, fp16)."""
+        return self.compute_dtype is not None and self.compute_dtype.itemsize < 4
+
     def layout(self, index: Any) -> Layout:
         """Check the model-dependent options against the model (or its index); cut it in units."""
         index = ModelIndex.of(index)
@@ -303,7 +309,7 @@ class WrapperConfig:
         if own_steps(module):
             roots = tuple(separate_roots(module, self.NAME, self.trainable_roots_only))
         classes = index.classes_of(self.fp32_modules, options.FP32_KEY)  # names checked either way
-        low = self.compute_dtype is not None and self.compute_dtype.itemsize < 4
+        low = self.low_precision
         kept = [n for n, m in index.modules.items() if low and isinstance(m, classes)]
         fp32 = tuple(n for n in kept if not any(within(n, k) for k in kept if k != n))
         return Layout(policy=policy, units=units, roots=roots, fp32_modules=fp32,
@@ -379,6 +385,8 @@ class ParallelWrapper(nn.Module):
     _sync_next_backward: bool = True
     #: Whether it also all-reduces them across replicas (False inside a hybrid no_sync).
     _all_reduce_next_backward: bool = True
+    #: Whether mixed precision computes below fp32: ``val_step`` / ``test_step`` cast back.
+    _low_precision: bool = False
 
     @classmethod
     def from_options(cls, module: nn.Module, **options: Any) -> nn.Module:
@@ -414,9 +422,13 @@ class ParallelWrapper(nn.Module):
         return self._predict('test_step', data)
 
     def _predict(self, step: str, data: Any) -> list:
+        """Predictions as an fp32 model gives them: a metric's ``.numpy()`` has no bf16."""
         if step in own_steps(self.module):
-            return getattr(self.module, step)(data)
-        return self._run_forward(self.module.data_preprocessor(data, training=False), 'predict')
+            out = getattr(self.module, step)(data)
+        else:
+            out = self._run_forward(self.module.data_preprocessor(data, training=False),
+                                    'predict')
+        return full_precision(out) if self._low_precision else out
 
     def _run_forward(self, data: Any, mode: str) -> Any:
         if isinstance(data, dict):

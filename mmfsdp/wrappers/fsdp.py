@@ -229,6 +229,7 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
         set_preprocessor_device(self.module, device)
         base.prepare_layers(self, layout)  # inside the units: FSDP1's hooks stay outside it
         self._accumulation = cfg.accumulation
+        self._low_precision = cfg.low_precision
         teardown_at_exit()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,6 +278,7 @@ class MMSeparateFullyShardedDataParallel(ModelHolder):
             module.register_module(name, child)
         set_preprocessor_device(module, device)
         self.module = module
+        self._low_precision = cfg.low_precision
 
     def roots(self) -> List[MMFullyShardedDataParallel]:
         """The FSDP1 roots, one per child with trainable parameters."""

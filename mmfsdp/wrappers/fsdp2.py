@@ -9,7 +9,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from ..meta_init import check_meta_model, materialize
 from ..options import Accumulation
 from ..policies import ModelIndex, within
 from ..registry import MODEL_WRAPPERS
+from ..tensors import cast_floats, tensors
 from . import base
 from .base import Layout, MeshSpec, ModelHolder, WrapperConfig
 
@@ -392,9 +393,12 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
     groups of their own under :data:`FP32_POLICY`, as is any unit inside one.
     The layers are checkpointed and compiled first (:func:`prepare_layers`),
     so a unit that is a checkpointed layer is sharded as its checkpoint
-    wrapper. Returns the roots.
+    wrapper. ``mp_policy.output_dtype`` casts the roots' outputs only. Returns the roots.
     """
     roots = list(layout.roots) if layout.roots is not None else ['']
+    # torch casts output_dtype at every fully_shard call: a unit's fp32 output would then
+    # meet the param_dtype layers of the unit around it (an FPN left in the root) and fail.
+    inner = replace(mp_policy, output_dtype=None)
     targets = {name: module.get_submodule(name) for name in _groups(module, layout)}
     kept = [module.get_submodule(name) for name in layout.fp32_modules]
     base.prepare_layers(module, layout)
@@ -407,7 +411,7 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, layout: Layout, *,
         reshard = (None if name in roots and reshard_after_forward is True
                    else reshard_after_forward)
         shard(outer.get(id(target), target), reshard_after_forward=reshard,
-              mp_policy=FP32_POLICY if in_fp32 else mp_policy)
+              mp_policy=FP32_POLICY if in_fp32 else mp_policy if name in roots else inner)
     for target in kept:
         compute_in_fp32(target)
     return [outer.get(id(targets[name]), targets[name]) for name in roots]
@@ -424,38 +428,16 @@ def compute_in_fp32(module: nn.Module) -> None:
     came_in: List[Optional[torch.dtype]] = []  # a stack: a recomputation may nest a call
 
     def cast_up(_: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        came_in.append(_first_float_dtype((args, kwargs)))
-        return _cast_floats((args, kwargs), torch.float32)
+        came_in.append(next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()),
+                            None))
+        return cast_floats((args, kwargs), torch.float32)
 
     def cast_back(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         dtype = came_in.pop()
-        return output if dtype in (None, torch.float32) else _cast_floats(output, dtype)
+        return output if dtype in (None, torch.float32) else cast_floats(output, dtype)
 
     module.register_forward_pre_hook(cast_up, with_kwargs=True)
     module.register_forward_hook(cast_back, with_kwargs=True)
-
-
-def _first_float_dtype(value: Any) -> Optional[torch.dtype]:
-    """The dtype of the first floating-point tensor in nested tuples / lists / dicts."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else (
-        value if isinstance(value, (list, tuple)) else ())
-    return next((d for d in map(_first_float_dtype, items) if d is not None), None)
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in nested tuples / lists / dicts cast."""
-    cast: Callable[[Any], Any] = functools.partial(_cast_floats, dtype=dtype)
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return type(value)((k, cast(v)) for k, v in value.items())
-    if isinstance(value, tuple) and hasattr(value, '_fields'):  # a namedtuple
-        return type(value)(*map(cast, value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(cast, value))
-    return value
 
 
 @MODEL_WRAPPERS.register_module()
@@ -513,6 +495,7 @@ class MMFullyShard(ModelHolder):
             materialize(module, device, self.mesh)
         self.module = module
         self._accumulation = config.accumulation
+        self._low_precision = config.low_precision
         teardown_at_exit()
         # ZeRO-2 keeps parameters gathered to backward; 'unsharded' then keeps them
         # across micro-steps too.
