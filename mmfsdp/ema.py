@@ -25,6 +25,7 @@ from .checkpoint.safe_io import UNSAFE_SWITCH, SafeFileSystemReader, load_shards
 from .checkpoint.state import gather_full_state, load_full_model_state, sharded_state
 from .compat import ema_started, fsdp1_reshard_if_gathered, resume_requested, swap_ema_state_dict
 from .names import unwrapped_named_buffers, unwrapped_named_parameters
+from .optim import is_sharded
 from .registry import HOOKS
 
 __all__ = ['EMA_SHARDS_KEY', 'EMAHook', 'configures_ema', 'ema_bytes_per_rank',
@@ -70,10 +71,6 @@ def _source_tensors(model: nn.Module, update_buffers: bool) -> Dict[str, torch.T
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a wrapper, as mmengine's ``EMAHook`` takes it."""
     return model.module if is_model_wrapper(model) else model
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules())
 
 
 def _piece(param: torch.Tensor, device: Optional[str]) -> torch.Tensor:
@@ -176,7 +173,7 @@ class EMAHook(MMEngineEMAHook):
         self.src_model = _unwrapped(runner.model)
         self._model, self._averaged = None, {}
         whole = not any(p.is_meta for p in self.src_model.parameters())
-        if get_world_size() == 1 and whole and not _is_sharded(runner.model):
+        if get_world_size() == 1 and whole and not is_sharded(runner.model):
             super().before_run(runner)
         else:
             self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=nn.Module()))
@@ -184,7 +181,7 @@ class EMAHook(MMEngineEMAHook):
     def _averaged_module(self, model: nn.Module) -> nn.Module:
         """``ema_model.module`` for ``model``: a copy of it, or its pieces when sharded."""
         device = self.ema_cfg.get('device')  # as the stock hook: the model's device by default
-        if _is_sharded(model):
+        if is_sharded(model):
             return _pieces_module(model, device)
         module = copy.deepcopy(_unwrapped(model)).requires_grad_(False)
         return module if device is None else module.to(device)
