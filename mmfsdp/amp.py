@@ -32,13 +32,6 @@ _SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interva
 _STOCK_DTYPES = {name: getattr(torch, name) for name in MMEngineAmpOptimWrapper.valid_dtypes}
 
 
-def _cast_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
-    """The autocast dtype: mmengine's names as mmengine converts them, then mmfsdp's aliases."""
-    if isinstance(dtype, str) and dtype in _STOCK_DTYPES:
-        return _STOCK_DTYPES[dtype]
-    return resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16
-
-
 @OPTIM_WRAPPERS.register_module()
 class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
     """mmengine's ``AmpOptimWrapper`` (same arguments), on CPU and accelerators.
@@ -67,7 +60,9 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
                  dtype: Union[str, torch.dtype, None] = None,
                  **kwargs: Any) -> None:
         init_without_amp_checks(self, **kwargs)
-        self.cast_dtype = _cast_dtype(dtype)
+        # mmengine's names as mmengine converts them ('float64' too), then mmfsdp's aliases
+        self.cast_dtype = ((isinstance(dtype, str) and _STOCK_DTYPES.get(dtype))
+                           or resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16)
         self._device = current_device()
         set_fixed_loss_scale(self, None)
         if loss_scale == 'dynamic':

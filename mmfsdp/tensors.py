@@ -48,16 +48,12 @@ def tensors(value: Any, objects: bool = False) -> List[torch.Tensor]:
     return found
 
 
-def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in its containers cast to ``dtype``."""
-    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t, False)
+def cast_floats(value: Any, dtype: torch.dtype, below: int = 16, objects: bool = False) -> Any:
+    """``value`` with its floating-point tensors of fewer than ``below`` bytes cast to ``dtype``.
 
-
-def full_precision(value: Any) -> Any:
-    """``value`` (a model's predictions) with its bf16 / fp16 tensors cast to fp32, at any depth.
-
-    What a metric reads with ``.numpy()`` (which has no bf16) is then what an
-    fp32 model returns: data samples, dicts, tuples; integer tensors (labels) untouched.
+    ``below=4, objects=True`` gives a model's bf16 / fp16 predictions (data
+    samples, dicts, tuples, at any depth) as an fp32 model returns them, which
+    a metric's ``.numpy()`` reads; integer tensors (labels) stay as they are.
     """
-    return map_tensors(value, lambda t: t.float() if (
-        t.is_floating_point() and t.dtype.itemsize < 4) else t)
+    return map_tensors(value, lambda t: t.to(dtype) if (
+        t.is_floating_point() and t.dtype.itemsize < below) else t, objects)

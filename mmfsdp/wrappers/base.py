@@ -41,7 +41,7 @@ from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
-from ..tensors import full_precision
+from ..tensors import cast_floats
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -423,12 +423,11 @@ class ParallelWrapper(nn.Module):
 
     def _predict(self, step: str, data: Any) -> list:
         """Predictions as an fp32 model gives them: a metric's ``.numpy()`` has no bf16."""
-        if step in own_steps(self.module):
-            out = getattr(self.module, step)(data)
-        else:
-            out = self._run_forward(self.module.data_preprocessor(data, training=False),
-                                    'predict')
-        return full_precision(out) if self._low_precision else out
+        out = (getattr(self.module, step)(data) if step in own_steps(self.module) else
+               self._run_forward(self.module.data_preprocessor(data, training=False), 'predict'))
+        if self._low_precision:
+            out = cast_floats(out, torch.float32, below=4, objects=True)
+        return out
 
     def _run_forward(self, data: Any, mode: str) -> Any:
         if isinstance(data, dict):
