@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -122,6 +123,15 @@ def _distributed(rank_unused: int = 0) -> dict:
         seen = _observe_dtypes(model)
         wrapped(_batch(0, rank)[0]).float().sum().backward()
         out[f'dtypes/{name}'] = seen
+    # (c) the norms of one block are one group: gathered together when the first one runs
+    model = tiny_resnet()
+    MMFullyShard.from_options(model, auto_wrap_policy=BLOCKS, mixed_precision=BF16)
+    first, gathered = model.blocks[0], {}
+    first.bn1.register_forward_pre_hook(lambda *_: gathered.update({
+        name: not isinstance(bn.weight, DTensor) for name, bn in (
+            ('bn1', first.bn1), ('bn2', first.bn2), ('next block', model.blocks[1].bn1))}))
+    model(_batch(0, rank)[0])
+    out['gathered with blocks.0.bn1'] = gathered
     # fp32_modules=[] turns it off: BN in bf16 fails on the CPU, as before the option
     out['off'] = raised(lambda: MMFullyShard.from_options(tiny_resnet(), mixed_precision=dict(
         BF16, fp32_modules=[]))(_batch(0, rank)[0]))
@@ -219,6 +229,13 @@ def test_groupnorm_and_layernorm_are_kept_when_named(distributed):
     assert seen['ln']['input'] == seen['ln']['weight'] == 'torch.float32'
     assert seen['gn']['output'] == seen['ln']['output'] == 'torch.bfloat16'
     assert seen['conv']['weight'] == seen['head']['weight'] == 'torch.bfloat16'
+
+
+def test_the_norms_of_one_block_are_one_group(distributed):
+    """One all-gather for a block's norms (ResNet-50: 17 norm groups, not 53)."""
+    for result in distributed:
+        assert result['gathered with blocks.0.bn1'] == {'bn1': True, 'bn2': True,
+                                                        'next block': False}
 
 
 def test_an_empty_list_turns_it_off(distributed):
