@@ -318,13 +318,10 @@ def sharded_loads(model: nn.Module) -> Iterator[None]:
     then ``self.load_state_dict``): each sharded parameter takes its slice of the
     full tensor after the module's own pre-hooks (mmpretrain's interpolation) ran.
     """
-    handles = [m.register_load_state_dict_pre_hook(_take_slices) for m in model.modules()
-               if any(hasattr(t, 'device_mesh') for _, t in direct_tensors(m))]
-    try:
+    with contextlib.ExitStack() as hooks:  # a handle removes its hook on exit
+        for module in model.modules():
+            hooks.enter_context(module.register_load_state_dict_pre_hook(_take_slices))
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
