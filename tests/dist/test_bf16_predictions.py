@@ -32,15 +32,19 @@ WORLD_SIZE = 2
 BLOCKS = dict(type='transformer', layer_cls=['ConvBlock'])
 BF16_FSDP2 = dict(param_dtype='bf16', reduce_dtype='fp32')
 BF16_FSDP1 = dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')
-#: name -> model_wrapper_cfg. 'ddp' is the reference: fp32 weights, autocast in training only.
-WRAPPERS = {
-    'fsdp2': dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS,
-                  mixed_precision=BF16_FSDP2),
-    'fsdp1': dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS,
-                  mixed_precision=BF16_FSDP1),
-    'fsdp2_output_fp32': dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS,
-                              mixed_precision=dict(BF16_FSDP2, output_dtype='fp32')),
-    'ddp': dict(type='mmfsdp.MMDistributedDataParallel'),
+FSDP2 = dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=BLOCKS, mixed_precision=BF16_FSDP2)
+FSDP1 = dict(type='mmfsdp.MMFullyShardedDataParallel', auto_wrap_policy=BLOCKS,
+             mixed_precision=BF16_FSDP1)
+#: name -> (model, model_wrapper_cfg). 'ddp' is the reference: fp32 weights, autocast in
+#: training only. A model with its own steps is sharded as one root per child.
+SCENARIOS = {
+    'fsdp2': ('BoxNet', FSDP2),
+    'fsdp1': ('BoxNet', FSDP1),
+    'fsdp2_output_fp32': ('BoxNet', dict(FSDP2, mixed_precision=dict(BF16_FSDP2,
+                                                                     output_dtype='fp32'))),
+    'fsdp2_own_steps': ('OwnStepsBoxNet', FSDP2),
+    'fsdp1_own_steps': ('OwnStepsBoxNet', FSDP1),
+    'ddp': ('BoxNet', dict(type='mmfsdp.MMDistributedDataParallel')),
 }
 AMP = dict(type='mmfsdp.AmpOptimWrapper', dtype='bfloat16',
            optimizer=dict(type='SGD', lr=0.01))
@@ -75,7 +79,7 @@ class BoxNet(BaseModel):
     def __init__(self, channels: int = 8, depth: int = 2, num_classes: int = 3) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(depth))
+        self.blocks = nn.Sequential(*(ConvBlock(channels) for _ in range(depth)))
         self.neck = nn.Conv2d(channels, channels, 1)  # in the root, after the units
         self.box_head = nn.Conv2d(channels, 5, 1)     # 4 coordinates and a score logit
         self.cls_head = nn.Conv2d(channels, num_classes, 1)
@@ -100,6 +104,16 @@ class BoxNet(BaseModel):
             sample.extra = dict(pair=(logit.mean(), labels.sum()))
         self.returned = list(data_samples)
         return data_samples
+
+
+@MODELS.register_module()
+class OwnStepsBoxNet(BoxNet):
+    """:class:`BoxNet` with its own ``val_step`` / ``test_step``, as a TTA model has."""
+
+    def val_step(self, data: Any) -> list:
+        return self(**self.data_preprocessor(data, False), mode='predict')
+
+    test_step = val_step
 
 
 @DATASETS.register_module()
@@ -136,12 +150,13 @@ class NumpyMetric(BaseMetric):
                 for key in ('bboxes', 'scores', 'labels', 'seg', 'mean')}
 
 
-def _config(name: str, root: str, wrapper: dict) -> Config:
+def _config(name: str, root: str) -> Config:
+    model, wrapper = SCENARIOS[name]
     loader = dict(dataset=dict(type='BoxDataset'), batch_size=2, num_workers=0,
                   sampler=dict(type='DefaultSampler', shuffle=False),
                   collate_fn=dict(type='pseudo_collate'))
     return Config(dict(
-        model=dict(type='BoxNet'), work_dir=os.path.join(root, name), experiment_name=name,
+        model=dict(type=model), work_dir=os.path.join(root, name), experiment_name=name,
         launcher='pytorch', env_cfg=dict(dist_cfg=DIST_CFG), randomness=dict(seed=0),
         runner_type='mmfsdp.FSDPRunner', model_wrapper_cfg=wrapper, optim_wrapper=AMP,
         train_dataloader=loader, train_cfg=dict(by_epoch=False, max_iters=2, val_interval=3),
@@ -160,7 +175,7 @@ def _leaves(sample: BaseDataElement) -> Dict[str, torch.Tensor]:
 def _scenario(name: str, root: str) -> dict:
     """Train 2 steps, ``val()``, ``test()``; one batch's steps against what the model returned."""
     from mmfsdp import FSDPRunner
-    runner = FSDPRunner.from_cfg(_config(name, root, WRAPPERS[name]))
+    runner = FSDPRunner.from_cfg(_config(name, root))
     runner.train()
     out: Dict[str, Any] = dict(val=runner.val(), test=runner.test())
     batch = pseudo_collate([runner.val_dataloader.dataset[i] for i in range(2)])
@@ -188,7 +203,7 @@ def _scenario(name: str, root: str) -> dict:
 
 
 def _distributed(root: str) -> dict:
-    return {name: _guarded(name, root) for name in WRAPPERS}
+    return {name: _guarded(name, root) for name in SCENARIOS}
 
 
 def _guarded(name: str, root: str) -> dict:
@@ -210,7 +225,7 @@ def _max_rel_diff(a: List[dict], b: List[dict]) -> float:
                for x, y in zip(a, b) for k in x if x[k].is_floating_point())
 
 
-@pytest.mark.parametrize('name', ['fsdp2', 'fsdp1', 'fsdp2_output_fp32'])
+@pytest.mark.parametrize('name', [n for n in SCENARIOS if n != 'ddp'])
 def test_bf16_predictions_are_fp32_and_read_by_a_numpy_metric(results, name):
     """Before: ``TypeError: Got unsupported ScalarType BFloat16`` in the metric, every rank;
     FSDP2 with ``output_dtype='fp32'``: the root's neck got the block unit's fp32 output."""
