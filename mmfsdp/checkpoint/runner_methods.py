@@ -14,13 +14,12 @@ import mmengine
 import torch
 import torch.distributed as dist
 from mmengine.dist import is_main_process
-from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
-from mmengine.hooks import EMAHook as MMEngineEMAHook
 
 from ..agreement import control_group, fail_together
 from ..compat import load_from, mark_checkpoint_loaded
 from ..ema import EMAHook
 from ..names import for_tta_model
+from ..sync_norm import SyncNormHook
 from .background import (
     BackgroundWrite,
     ShardStager,
@@ -62,9 +61,10 @@ __all__ = ['CheckpointMixin', 'CheckpointState', 'DEFAULT_SAVE_TIMEOUT_S', 'TOKE
 #: wrote it removes; a run resuming from it takes them over.
 TOKENS_KEY = 'temporary_tokens'
 
-#: Stock hooks (by config type) that FSDPRunner replaces with its own, same options.
-_REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, MMEngineCheckpointHook: CheckpointHook,
-                   'EMAHook': EMAHook, MMEngineEMAHook: EMAHook}
+#: Stock hooks (by config type, or an mmengine / mmdet class by its name) that FSDPRunner
+#: replaces with its own, same options; mmdet's is matched by name: mmdet need not be installed.
+_REPLACED_HOOKS = {'CheckpointHook': CheckpointHook, 'EMAHook': EMAHook,
+                   'SyncNormHook': SyncNormHook, 'mmdet.SyncNormHook': SyncNormHook}
 
 
 @dataclasses.dataclass
@@ -106,9 +106,12 @@ class CheckpointMixin:
         super().__init__(*args, **kwargs)
 
     def register_hook(self, hook: Any, priority: Any = None) -> None:
-        """Register a hook; the stock ``CheckpointHook`` and ``EMAHook`` become mmfsdp's."""
+        """Register a hook; stock ``CheckpointHook``, ``EMAHook``, ``SyncNormHook``: mmfsdp's."""
         if isinstance(hook, dict):
-            replacement = _REPLACED_HOOKS.get(hook.get('type'))
+            kind = hook.get('type')
+            if isinstance(kind, type) and kind.__module__.split('.')[0] in ('mmengine', 'mmdet'):
+                kind = kind.__name__  # the class itself (a Python-style config)
+            replacement = _REPLACED_HOOKS.get(kind)
             if replacement is not None:
                 hook = dict(hook, type=replacement)
         super().register_hook(hook, priority)

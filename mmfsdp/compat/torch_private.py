@@ -21,12 +21,15 @@ from torch.distributed.fsdp._runtime_utils import _reshard
 # why: the one base of BatchNorm1d/2d/3d and SyncBatchNorm is private
 from torch.nn.modules.batchnorm import _BatchNorm as BATCH_NORM_BASE  # noqa: N811
 
+# why: the one base of the norms with running statistics (batch and instance) is private
+from torch.nn.modules.batchnorm import _NormBase as NORM_BASE  # noqa: N811
+
 # why: the only way to see each aten operator a constructor or initialiser runs
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = ['ActivationWrapper', 'BATCH_NORM_BASE', 'fsdp1_fp32_classes', 'with_fsdp1_fp32_classes',
            'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'dcp_drops_names',
-           'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2',
+           'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2', 'NORM_BASE',
            'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
            'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
            'convert_tensors',

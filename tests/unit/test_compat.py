@@ -297,6 +297,13 @@ def test_batch_norm_base_is_the_base_of_every_batch_norm():
             f'{cls.__name__} is no longer a torch.nn.modules.batchnorm._BatchNorm'
 
 
+def test_norm_base_is_the_base_of_every_norm_with_running_statistics():
+    for cls in (nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm2d, nn.LazyBatchNorm2d):
+        assert issubclass(cls, compat.NORM_BASE), \
+            f'{cls.__name__} is no longer a torch.nn.modules.batchnorm._NormBase'
+    assert not issubclass(nn.GroupNorm, compat.NORM_BASE)
+
+
 def test_fsdp1_mixed_precision_names_its_fp32_classes_privately():
     from torch.distributed.fsdp import MixedPrecision
     default = MixedPrecision(param_dtype=torch.bfloat16)
