@@ -151,7 +151,14 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     plans = [plan_of(wrapping, layout, model, n, optim_wrapper, ema) for n in args.world_size]
     if args.no_trace and budget is None:
         return '\n\n'.join(format_plan(p) for p in plans), [plan_to_dict(p) for p in plans]
-    layers = checkpoint or _unit_classes(model, units)
+    # what --fit-memory checkpoints: the configured layers, else the units' classes (a
+    # detector's backbone and encoder blocks), else the model's repeated blocks ('auto')
+    layers, chosen = checkpoint, f'{AC_KEY}.layer_cls'
+    if not layers:
+        layers, chosen = _unit_classes(model, units), "the wrap policy's units"
+    if not layers:
+        layers = [c.__name__ for c in ModelIndex(model).repeated_blocks]
+        chosen = "the model's repeated blocks, layer_cls='auto'"
     failed = None
     with DefaultScope.overwrite_default_scope(scope):
         try:
@@ -176,7 +183,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
         return ('\n\n'.join(format_plan(p) + '\n' + reason for p in plans),
                 [dict(plan_to_dict(p), step=None, step_error=reason) for p in plans])
     if budget is not None:
-        return (_fit_text(found, budget, size, layers) + f'\nbatch: {source}',
+        return (_fit_text(found, budget, size, layers, chosen) + f'\nbatch: {source}',
                 _fit_json(found, budget, source))
     steps = [step_peak(p, trace, size, heap) for p in plans]
     text = '\n\n'.join(f'{format_plan(p)}\n{format_step(s)}\nbatch: {source}'
@@ -212,7 +219,8 @@ def _fit_json(found: list, budget: int, source: str) -> List[Dict[str, Any]]:
                  fits=c.peak_bytes <= budget, batch=source, **c.step.to_dict()) for c in found]
 
 
-def _fit_text(found: list, budget: int, batch_size: int, layers: Sequence[str] = ()) -> str:
+def _fit_text(found: list, budget: int, batch_size: int, layers: Sequence[str] = (),
+              chosen: str = '') -> str:
     fits = [c for c in found if c.peak_bytes <= budget]
     head = f'{"world size":>10}  {"strategy":<34} {"AC":<4} {"peak/rank":>10} ' \
            f'{"states":>10} {"gathered":>10} {"activations":>11} {"transient":>10}'
@@ -235,10 +243,12 @@ def _fit_text(found: list, budget: int, batch_size: int, layers: Sequence[str] =
                      f'({low.world_size} ranks, {low.label}, activation checkpointing '
                      f'{"on" if low.checkpointing else "off"}): try more ranks or a smaller '
                      'batch (--world-size, --batch-size)')
-    if not layers:
-        lines.append(f'activation checkpointing not tried: {AC_KEY} is not set and the wrap '
-                     'policy makes no units; name the layer classes to checkpoint with '
-                     '--activation-checkpointing LAYER_CLS')
+    if layers:
+        lines.append(f"AC on checkpoints {', '.join(layers)} ({chosen})")
+    else:
+        lines.append(f'activation checkpointing not tried: {AC_KEY} is not set, the wrap '
+                     'policy makes no units and no block repeats; name the layer classes to '
+                     'checkpoint with --activation-checkpointing LAYER_CLS')
     return '\n'.join(lines)
 
 

@@ -6,7 +6,7 @@ without a process group. Frozen parameters (``requires_grad=False``, as
 mmdet's ``frozen_stages``) are held and gathered but get no gradient and no
 optimizer state, except that FSDP1 keeps a gradient for a whole flat unit
 where any of its parameters trains. The estimate of the peak adds the gathered
-parameters in flight (2 x the largest unit: the one computing and the one
+parameters in flight (the two largest units: the one computing and the one
 prefetched); activations depend on the batch and are not included.
 """
 import itertools
@@ -117,23 +117,23 @@ class Plan:
     def gathered_in_flight_bytes(self) -> int:
         """Unsharded parameters and gradients alive at once, or 0 when nothing is gathered.
 
-        Parameters: 2 x the largest unit (the one computing and the one
-        prefetched), or every unit when they stay gathered from forward to
-        backward; with ``reshard_after_forward=<int>`` the two gathered ones and
-        the others' share of a group of that many ranks. Gradients: the
-        largest unit's unsharded gradient, which lives in backward until it is
+        Parameters: the two largest units (the one computing and the one
+        prefetched: two units, so a root larger than every block counts once),
+        or every unit when they stay gathered from forward to backward; with
+        ``reshard_after_forward=<int>`` the two gathered ones and the others'
+        share of a group of that many ranks. Gradients: the largest unit's
+        unsharded gradient, which lives in backward until it is
         reduce-scattered, in the reduce dtype.
         """
-        largest = self.largest_unit
         kept = self.spec.kept_shard_size
-        every = sum(u.gathered_bytes for u in self.units)
+        sizes = sorted((u.gathered_bytes for u in self.units), reverse=True)
+        every, pair = sum(sizes), sum(sizes[:2])
         if self.spec.keep_gathered_until_backward and kept > 1:
-            others = max(0, every - 2 * largest.gathered_bytes)
-            params = min(every, 2 * largest.gathered_bytes + -(-others // kept))
+            params = min(every, pair + -(-(every - pair) // kept))
         elif self.spec.keep_gathered_until_backward:
             params = every
         elif self.spec.shard_size > 1 or self.spec.gathers_unsharded:
-            params = 2 * largest.gathered_bytes
+            params = pair
         else:
             return 0
         return params + self.reduced_in_flight_bytes

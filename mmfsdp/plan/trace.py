@@ -41,7 +41,7 @@ __all__ = ['StepTrace', 'trace_step']
 #: call whose result holds the loss (see :mod:`.batch`).
 BatchFn = Callable[[nn.Module], Tuple[tuple, Dict[str, Any]]]
 #: At most this many methods of one step run on real tensors (each found by one more trace).
-MAX_REAL_PARTS = 4
+MAX_REAL_PARTS = 8
 TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -258,16 +258,20 @@ def _part_of(error: BaseException, model: nn.Module) -> Tuple[str, str]:
     """``(module name, method)`` to run on real tensors after ``error`` in the fake trace.
 
     The outermost method of a submodule on the failing call stack (a head's
-    ``loss``: its result is only summed into the loss), else the model's forward.
+    ``loss``: its result is only summed into the loss), else the innermost
+    method of the model itself (DETR's ``pre_transformer``, which reads the
+    feature maps' shapes as a tensor: not the whole forward, backbone included).
     """
-    names = {id(m): n for n, m in model.named_modules()}
+    names, part = {id(m): n for n, m in model.named_modules()}, ('', 'forward')
     for frame, _ in traceback.walk_tb(error.__traceback__):
         owner, code = frame.f_locals.get('self'), frame.f_code
-        method = getattr(type(owner), code.co_name, None) if names.get(id(owner)) else None
+        method = getattr(type(owner), code.co_name, None) if id(owner) in names else None
         if (callable(method) and getattr(inspect.unwrap(method), '__code__', None) is code
                 and not code.co_filename.startswith(TORCH_DIR)):
-            return names[id(owner)], code.co_name
-    return '', 'forward'
+            if names[id(owner)]:
+                return names[id(owner)], code.co_name
+            part = '', code.co_name
+    return part
 
 
 def _cause(error: BaseException) -> str:

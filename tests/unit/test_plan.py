@@ -51,6 +51,23 @@ def test_a_plan_with_too_many_units_warns():
     assert any('1001 units' in w and 'min_num_params' in w for w in plan['warnings'])
 
 
+
+def test_a_root_larger_than_every_block_is_gathered_once():
+    # RetinaNet's shape: the FPN and the head stay in the root, larger than any backbone block;
+    # two units are gathered at once (computing, prefetched), not the root twice
+    from mmfsdp.wrappers import MMFullyShard
+    from toy import ToyClassifier
+    with torch.device('meta'):
+        model = ToyClassifier(dim=16, depth=2)
+        model.head = nn.Linear(16, 4096)
+    wrapper = dict(type='mmfsdp.MMFullyShard',
+                   auto_wrap_policy=dict(type='transformer', layer_cls=['ToyBlock']))
+    plan = plan_for(MMFullyShard, wrapper, model, 2, ADAMW)
+    root, block = plan.root, plan.units[-1]
+    assert root.gathered_bytes > 10 * block.gathered_bytes
+    assert plan.gathered_in_flight_bytes == (root.gathered_bytes + block.gathered_bytes
+                                             + root.reduced_bytes)
+
 # ---- the CLI resolves the config as FSDPRunner does ----------------------------------------
 
 
@@ -196,3 +213,48 @@ def test_a_model_that_fails_is_named_not_the_dataset(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'activations not traced: KeyError' in out
     assert 'where the training dataset is not on this machine' in out
+
+
+def test_fit_memory_checkpoints_the_repeated_blocks_where_nothing_names_layers(tmp_path, capsys):
+    # a config as a detector's user writes it: no wrap policy, no activation_checkpointing; the
+    # activations dominate, so no wrapper option fits the budget without checkpointing
+    args = ['--world-size', '1', '2', '--input-shape', '8192,6', '--fit-memory']
+    found = _cli_plans(tmp_path, capsys, {}, *args, '1TiB')
+    off = min(c['peak_bytes'] for c in found if not c['activation_checkpointing'])
+    on = [c for c in found if c['activation_checkpointing']]
+    assert on and all(c['model_wrapper_cfg']['activation_checkpointing'] == dict(
+        layer_cls=['ToyBlock']) for c in on)
+    budget = (off + min(c['peak_bytes'] for c in on)) // 2
+    assert max(c['peak_bytes'] for c in on if c['world_size'] == 1) < budget
+    from mmfsdp.plan.__main__ import main
+    main([str(tmp_path / 'toy_config.py'), *args, str(budget)])
+    out = capsys.readouterr().out
+    assert 'smallest that fits: 1 ranks, DDP, activation checkpointing on' in out, out
+    assert "AC on checkpoints ToyBlock (the model's repeated blocks, layer_cls='auto')" in out
+
+
+@MODELS.register_module(name='PlanTestDetr', force=True)
+class Detr(Segmentor):
+    """DETR's shape: a method of the model itself, between the backbone and the transformer,
+    reads the feature map's shape as a tensor (mmdet's ``DeformableDETR.pre_transformer``)."""
+
+    def pre_transformer(self, feats):
+        shape = torch._shape_as_tensor(feats)[2:]
+        return feats.flatten(2)[..., :int(shape.prod())]
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        tokens = self.pre_transformer(self.block(self.stem(inputs)))
+        return dict(loss=self.decode_head(tokens[..., None]).mean()) if mode == 'loss' else tokens
+
+
+def test_a_method_of_the_model_runs_on_real_tensors_not_its_whole_forward(tmp_path, capsys):
+    from mmfsdp.plan.__main__ import main
+    config = tmp_path / 'detr.py'
+    config.write_text(open(_segmentor_config(tmp_path)).read().replace('Segmentor', 'Detr'))
+    capsys.readouterr()
+    main([str(config), '--world-size', '2'])
+    out = capsys.readouterr().out
+    # the backbone stays traced: only the method that reads values runs on real tensors
+    assert ("(root).pre_transformer (RuntimeError: The tensor has a non-zero number of elements"
+            in out), out
+    assert '(root).forward' not in out
