@@ -233,17 +233,32 @@ def test_fit_memory_checkpoints_the_repeated_blocks_where_nothing_names_layers(t
     assert "AC on checkpoints ToyBlock (the model's repeated blocks, layer_cls='auto')" in out
 
 
+class Queries(nn.Module):
+    """mmdet's ``CdnQueryGenerator``: called through its own ``__call__``, which Python looks up
+    on the type (the method that reads values, not ``__call__``, is the part)."""
+
+    def __call__(self, inputs):
+        return self.noisy(inputs)
+
+    def noisy(self, inputs):
+        return torch.nonzero(inputs.flatten() >= 0).float().mean()
+
+
 @MODELS.register_module(name='PlanTestDetr', force=True)
 class Detr(Segmentor):
     """DETR's shape: a method of the model itself, between the backbone and the transformer,
     reads the feature map's shape as a tensor (mmdet's ``DeformableDETR.pre_transformer``)."""
+
+    def __init__(self, data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.queries = Queries()
 
     def pre_transformer(self, feats):
         shape = torch._shape_as_tensor(feats)[2:]
         return feats.flatten(2)[..., :int(shape.prod())]
 
     def forward(self, inputs, data_samples=None, mode='tensor'):
-        tokens = self.pre_transformer(self.block(self.stem(inputs)))
+        tokens = self.pre_transformer(self.block(self.stem(inputs))) + self.queries(inputs)
         return dict(loss=self.decode_head(tokens[..., None]).mean()) if mode == 'loss' else tokens
 
 
@@ -257,4 +272,5 @@ def test_a_method_of_the_model_runs_on_real_tensors_not_its_whole_forward(tmp_pa
     # the backbone stays traced: only the method that reads values runs on real tensors
     assert ("(root).pre_transformer (RuntimeError: The tensor has a non-zero number of elements"
             in out), out
+    assert 'queries.noisy (DynamicOutputShapeException: aten.nonzero.default' in out
     assert '(root).forward' not in out
