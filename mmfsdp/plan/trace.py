@@ -267,8 +267,9 @@ def _part_of(error: BaseException, model: nn.Module) -> Tuple[str, str]:
         owner, code = frame.f_locals.get('self'), frame.f_code
         method = getattr(type(owner), code.co_name, None) if id(owner) in names else None
         if (callable(method) and getattr(inspect.unwrap(method), '__code__', None) is code
-                and not code.co_filename.startswith(TORCH_DIR)
-                and not code.co_name.startswith('__')):  # a call goes by the type's __call__
+                and not code.co_filename.startswith(TORCH_DIR)):
+            if code.co_name.startswith('__'):  # called by the type's __call__: not replaceable
+                break  # on the instance, the method calling it is (DINO's pre_decoder)
             if names[id(owner)]:
                 return names[id(owner)], code.co_name
             part = '', code.co_name
