@@ -1,5 +1,6 @@
 """The private torch API mmfsdp relies on, each use with its reason."""
 import dataclasses
+import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -282,3 +283,46 @@ def dtensor_like(dtensor: Any, local: torch.Tensor) -> Any:
 
     # why: DTensor.from_local moves ``local`` to the mesh's device; DCP's stager builds this way
     return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+# ---- torch.compile's limit of graphs per compiled function, and its report when reached ----
+
+__all__ += ['default_recompile_limit', 'on_recompile_limit']
+
+
+def default_recompile_limit() -> int:
+    """How many graphs ``torch.compile`` keeps per compiled function unless told (8 in 2.13)."""
+    import torch._dynamo.config as dynamo_config
+
+    # why: torch.compile's recompile_limit=None reads this private config
+    return dynamo_config.recompile_limit
+
+
+class _RecompileLimitHits(logging.Handler):
+    """Hands each report of a reached recompile limit to every callback (one handler a process)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.callbacks: List[Callable[[str], None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith('torch._dynamo hit config.'):
+            message = record.getMessage().split('\nTo log all')[0]
+            for callback in self.callbacks:
+                callback(message)
+
+
+def on_recompile_limit(callback: Callable[[str], None]) -> None:
+    """Call ``callback(message)`` when a compiled function reaches its recompile limit.
+
+    Past it, torch runs the function eager for inputs no graph fits; ``message``
+    (torch's words) names the limit, the function and the guard that failed last.
+    """
+    # why: dynamo reports a reached limit only as this warning of its private module's logger
+    logger = logging.getLogger('torch._dynamo.convert_frame')
+    handler = next((h for h in logger.handlers if isinstance(h, _RecompileLimitHits)), None)
+    if handler is None:
+        handler = _RecompileLimitHits()
+        logger.addHandler(handler)
+    if callback not in handler.callbacks:
+        handler.callbacks.append(callback)

@@ -36,7 +36,7 @@ from ..checkpointing import (
     resolve_activation_checkpointing,
 )
 from ..compat import checkpoint_inner, dcp_drops_names, set_activation_memory_budget
-from ..compile import COMPILE_KEY, RegionalCompile, resolve_regional_compile
+from ..compile import COMPILE_KEY, RegionalCompile, compile_layers, resolve_regional_compile
 from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
@@ -197,12 +197,8 @@ def prepare_layers(model: nn.Module, layout: Layout) -> None:
                   'activations of the compiled layers (torch._functorch.config.'
                   'activation_memory_budget, set for this process)', logger='current',
                   level=logging.INFO)
-    outer, compiled = outermost(model), []
-    for name, module in model.named_modules():
-        if layout.compile_layers and isinstance(module, layout.compile_layers) and not any(
-                within(name, done) for done in compiled):
-            outer.get(id(module), module).compile(**layout.regional_compile.options)
-            compiled.append(name)
+    if layout.compile_layers:
+        compile_layers(model, layout.compile_layers, layout.regional_compile, outermost(model))
 
 
 def _flag_or_none(value: Any, key: str) -> Optional[bool]:

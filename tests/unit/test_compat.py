@@ -559,3 +559,16 @@ def test_load_whole_dcp_reads_what_dcp_to_torch_save_writes(tmp_path):
     assert got.keys() == expected.keys() and got['extra'] == expected['extra']
     assert all(torch.equal(got['model'][k], v) for k, v in expected['model'].items()), \
         'compat.load_whole_dcp no longer reads what dcp_to_torch_save writes'
+
+
+def test_torch_compile_reports_a_reached_recompile_limit_through_its_logger():
+    assert isinstance(compat.default_recompile_limit(), int), \
+        'torch._dynamo.config.recompile_limit is gone (mmfsdp.compat.default_recompile_limit)'
+    heard = []
+    compat.on_recompile_limit(heard.append)
+    compiled = torch.compile(lambda x: x + 1, backend='eager', dynamic=False, recompile_limit=1)
+    for n in (2, 3):
+        compiled(torch.ones(n))
+    assert len(heard) == 1 and 'recompile_limit (1)' in heard[0], (
+        "torch.compile no longer warns 'torch._dynamo hit config.recompile_limit' through "
+        "the logger torch._dynamo.convert_frame (mmfsdp.compat.on_recompile_limit)")
