@@ -28,7 +28,8 @@ def test_every_block_a_script_writes_is_in_the_docs_page_once():
         page = f.read()
     for name in ('model-state', 'peak', 'comm', 'fsdp2-vs-fsdp1', 'overhead',
                  'fsdp2-vs-fsdp1-time', 'checkpoint-cost', 'construction', 'accumulation',
-                 'peers', 'peak-truth', 'compile', 'load-bytes', 'async-save', 'auto-wrap'):
+                 'peers', 'peak-truth', 'compile', 'load-bytes', 'async-save', 'auto-wrap',
+                 'fp32-norms'):
         assert page.count(f'<!-- begin: {name} -->') == 1, name
         assert page.count(f'<!-- end: {name} -->') == 1, name
 

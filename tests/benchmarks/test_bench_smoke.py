@@ -31,6 +31,8 @@ SMOKE = {
                     '--strategies', 'DDP'], ['peak-truth']),
     'compile': (['--quick', '--only', 'vit/eager'], ['compile']),
     'auto_wrap': (['--models', 'TinyViT', 'mmpretrain ViT'], ['auto-wrap']),  # zoo: skipped
+    'fp32_norms': (['--models', 'BottleneckResNet', 'ResNet-50', '--size', '32', '--warmup', '1',
+                    '--rounds', '2'], ['fp32-norms']),  # ResNet-50 needs torchvision: skipped
     'peers': (['--model', 'gpt-tiny', '--arms', 'torch DDP', 'mmfsdp DDP', '--skip-memory',
                '--steps', '3', *TINY], ['peers']),
 }
