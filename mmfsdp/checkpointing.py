@@ -24,15 +24,20 @@ The order is torchtitan's: each layer is wrapped in its checkpoint, the
 wrapper is compiled (so the compiler sees the recomputation), then sharded
 (:func:`mmfsdp.wrappers.base.prepare_layers`).
 """
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
-from .compat import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
+from .compat import NORM_BASE, CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 from .options import one_or_many, option_dict, suggest
 
 AC_KEY = 'model_wrapper_cfg.activation_checkpointing'
@@ -135,12 +140,48 @@ def resolve_activation_checkpointing(value: Any) -> Optional[ActivationCheckpoin
 
 def apply_activation_checkpointing_to(
         model: nn.Module, layer_cls: Tuple[Type[nn.Module], ...],
-        checkpointing: Optional[ActivationCheckpointing] = None) -> None:
-    """Wrap every ``layer_cls`` instance of ``model`` in a non-reentrant checkpoint of the mode."""
-    if layer_cls:
-        kwargs = checkpointing.checkpoint_kwargs() if checkpointing is not None else {}
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs),
-            check_fn=lambda module: isinstance(module, layer_cls))
+        checkpointing: Optional[ActivationCheckpointing] = None,
+        compiled: Tuple[Type[nn.Module], ...] = ()) -> None:
+    """Wrap every ``layer_cls`` instance of ``model`` in a non-reentrant checkpoint of the mode.
+
+    Recomputation runs a layer's norms again in training mode, which would
+    update their running statistics twice per step; a layer run eagerly
+    (not inside one of the ``compiled`` classes, whose compiled backward
+    recomputes without the update) gets them back after its recomputation.
+    """
+    if not layer_cls:
+        return
+    kwargs = checkpointing.checkpoint_kwargs() if checkpointing is not None else {}
+    in_compiled = {id(m) for layer in model.modules() if isinstance(layer, compiled)
+                   for m in layer.modules()} if compiled else set()
+
+    def wrap(layer: nn.Module) -> nn.Module:
+        stats = [] if id(layer) in in_compiled else [
+            buffer for m in layer.modules() if isinstance(m, NORM_BASE)
+            for buffer in m.buffers(recurse=False)]
+        context_fn = kwargs.get('context_fn', noop_context_fn)
+        if stats:
+            context_fn = functools.partial(_stats_kept_in_recompute, context_fn, stats)
+        return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                  **{**kwargs, 'context_fn': context_fn})
+
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap,
+                                   check_fn=lambda module: isinstance(module, layer_cls))
+
+
+def _stats_kept_in_recompute(context_fn: Callable, stats: List[torch.Tensor]) -> Tuple[Any, Any]:
+    """``context_fn``'s contexts, the recomputation's also putting ``stats`` back as they were."""
+    forward, recompute = context_fn()
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        saved = [buffer.clone() for buffer in stats]
+        try:
+            with recompute:
+                yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(stats, saved):
+                    buffer.copy_(value)
+
+    return forward, recomputing()

@@ -189,7 +189,8 @@ def prepare_layers(model: nn.Module, layout: Layout) -> None:
     A compiled layer that is checkpointed is compiled as its checkpoint
     wrapper; a layer inside another compiled layer is compiled as part of it.
     """
-    apply_activation_checkpointing_to(model, layout.checkpoint_layers, layout.checkpointing)
+    apply_activation_checkpointing_to(model, layout.checkpoint_layers, layout.checkpointing,
+                                      layout.compile_layers)
     checkpointing = layout.checkpointing
     if checkpointing is not None and not checkpointing.wraps_layers:
         set_activation_memory_budget(checkpointing.memory_budget)

@@ -4,6 +4,8 @@ What each checkpointing mode keeps (gradients equal to plain layers', fewer
 activations under a lower memory budget, the plan's prediction per mode) and
 every misconfiguration refused at start-up, naming the key.
 """
+import copy
+
 import pytest
 import torch
 
@@ -61,6 +63,33 @@ def test_checkpointed_layers_give_the_gradients_of_plain_ones(mode):
     plain = _grads()
     assert max_abs_diff(_grads(activation_checkpointing=dict(layer_cls=BLOCK, mode=mode)),
                         plain) == 0
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).relu()
+
+
+@pytest.mark.parametrize('mode', ['full', 'selective'])
+def test_a_checkpointed_norm_updates_its_running_statistics_once_per_step(mode):
+    """Recomputation runs the norm again in training mode; its statistics stay those of one run."""
+    from mmfsdp.wrappers.base import prepare_layers
+    from mmfsdp.wrappers.fsdp2 import FullyShardConfig
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(_NormBlock(), _NormBlock())
+    checkpointed = copy.deepcopy(plain)
+    prepare_layers(checkpointed, FullyShardConfig.from_dict(dict(
+        activation_checkpointing=dict(layer_cls=['_NormBlock'], mode=mode))).layout(checkpointed))
+    for step in range(2):
+        x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(step))
+        for model in (plain, checkpointed):
+            model(x).sum().backward()
+    for (name, value), ours in zip(plain.named_buffers(), checkpointed.buffers()):
+        assert torch.equal(ours, value), name  # the same buffers, in order; names gain wrappers
 
 
 def test_a_lower_memory_budget_keeps_fewer_activations():
