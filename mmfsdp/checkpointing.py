@@ -159,11 +159,10 @@ def apply_activation_checkpointing_to(
         stats = [] if id(layer) in in_compiled else [
             buffer for m in layer.modules() if isinstance(m, NORM_BASE)
             for buffer in m.buffers(recurse=False)]
-        context_fn = kwargs.get('context_fn', noop_context_fn)
-        if stats:
-            context_fn = functools.partial(_stats_kept_in_recompute, context_fn, stats)
+        kept = {'context_fn': functools.partial(
+            _stats_kept_in_recompute, kwargs.get('context_fn', noop_context_fn), stats)}
         return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                  **{**kwargs, 'context_fn': context_fn})
+                                  **{**kwargs, **(kept if stats else {})})
 
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap,
                                    check_fn=lambda module: isinstance(module, layer_cls))
@@ -172,6 +171,8 @@ def apply_activation_checkpointing_to(
 def _stats_kept_in_recompute(context_fn: Callable, stats: List[torch.Tensor]) -> Tuple[Any, Any]:
     """``context_fn``'s contexts, the recomputation's also putting ``stats`` back as they were."""
     forward, recompute = context_fn()
+    if torch.compiler.is_compiling():  # compiled recomputation does not update them again
+        return forward, recompute
 
     @contextlib.contextmanager
     def recomputing() -> Iterator[None]:
