@@ -9,7 +9,7 @@ Config (what ``tools/train.py --amp`` selects)::
                          optimizer=dict(type='AdamW', lr=1e-3))
 """
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
@@ -25,7 +25,7 @@ from .optim import ModelBinding
 from .options import check_keys, resolve_dtype
 from .registry import OPTIM_WRAPPERS
 
-__all__ = ['AmpOptimWrapper', 'replace_stock_amp']
+__all__ = ['AmpOptimWrapper', 'autocast_dtype', 'replace_stock_amp']
 
 _SCALER_KEYS = ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')
 #: mmengine's dtype names (``float64`` among them), as its ``AmpOptimWrapper`` converts them.
@@ -60,9 +60,7 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
                  dtype: Union[str, torch.dtype, None] = None,
                  **kwargs: Any) -> None:
         init_without_amp_checks(self, **kwargs)
-        # mmengine's names as mmengine converts them ('float64' too), then mmfsdp's aliases
-        self.cast_dtype = ((isinstance(dtype, str) and _STOCK_DTYPES.get(dtype))
-                           or resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16)
+        self.cast_dtype = _cast_dtype(dtype)
         self._device = current_device()
         set_fixed_loss_scale(self, None)
         if loss_scale == 'dynamic':
@@ -95,13 +93,37 @@ class AmpOptimWrapper(MMEngineAmpOptimWrapper, ModelBinding):
             yield
 
 
-def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
-    """Whether ``cfg['type']`` is mmengine's ``AmpOptimWrapper``, looked up as mmengine would."""
-    kind = cfg.get('type')
+def _cast_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    """An autocast dtype: mmengine's names as it converts them ('float64' too), mmfsdp's aliases."""
+    return ((isinstance(dtype, str) and _STOCK_DTYPES.get(dtype))
+            or resolve_dtype(dtype, 'optim_wrapper.dtype') or torch.float16)
+
+
+def _type_of(cfg: Mapping[str, Any]) -> Any:
+    """``cfg['type']`` (an optim wrapper's; mmengine's default), looked up as mmengine would."""
+    kind = cfg.get('type', 'OptimWrapper')
     if isinstance(kind, str):
         with MMENGINE_OPTIM_WRAPPERS.switch_scope_and_registry(cfg.get('_scope_')) as registry:
             kind = registry.get(kind)
-    return kind is MMEngineAmpOptimWrapper
+    return kind
+
+
+def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
+    """Whether ``cfg['type']`` is mmengine's ``AmpOptimWrapper``."""
+    return _type_of(cfg) is MMEngineAmpOptimWrapper
+
+
+def autocast_dtype(optim_wrapper: Any) -> Optional[torch.dtype]:
+    """The dtype the forward autocasts to under an ``optim_wrapper`` config (``None``: no AMP).
+
+    mmengine's ``AmpOptimWrapper`` (``tools/train.py --amp``: float16) and mmfsdp's;
+    the parameters keep their dtype. What the plan traces the step under.
+    """
+    if not isinstance(optim_wrapper, Mapping):
+        return None
+    kind = _type_of(optim_wrapper)
+    amp = isinstance(kind, type) and issubclass(kind, MMEngineAmpOptimWrapper)
+    return _cast_dtype(optim_wrapper.get('dtype')) if amp else None
 
 
 def replace_stock_amp(optim_wrapper: Any) -> Tuple[Any, List[str]]:

@@ -58,18 +58,19 @@ def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
 
 
 def trace_for(wrapper_cls: type, wrapper_cfg: Mapping[str, Any], model: nn.Module,
-              batch: Any, world_size: int = 1) -> Any:
+              batch: Any, world_size: int = 1, autocast: Optional[torch.dtype] = None) -> Any:
     """Trace one training step of ``model`` under a ``model_wrapper_cfg`` (see :func:`trace_of`)."""
     wrapping = _wrapping(wrapper_cls, wrapper_cfg)
-    return trace_of(wrapping, wrapping.layout(model), model, batch, world_size)
+    return trace_of(wrapping, wrapping.layout(model), model, batch, world_size, autocast)
 
 
 def trace_of(wrapping: Wrapping, layout: Layout, model: nn.Module, batch: Any,
-             world_size: int = 1) -> Any:
+             world_size: int = 1, autocast: Optional[torch.dtype] = None) -> Any:
     """Trace one training step of ``model`` as the resolved config and its layout compute it.
 
-    Honours ``activation_checkpointing`` (each mode) and the mixed-precision
-    ``param_dtype``, and attributes activations to the wrap policy's units.
+    Honours ``activation_checkpointing`` (each mode), the mixed-precision
+    ``param_dtype`` and the optim wrapper's AMP (``autocast``: its dtype, from
+    :func:`mmfsdp.amp.autocast_dtype`), and attributes activations to the wrap policy's units.
     ``mode='memory_budget'`` is not traced (the compiler's partitioner decides
     what it keeps): torch defines the budget as the fraction of the activations
     between recomputing the compiled layers entirely (0) and keeping all they
@@ -78,7 +79,8 @@ def trace_of(wrapping: Wrapping, layout: Layout, model: nn.Module, batch: Any,
     from .trace import trace_step
     spec = _spec(wrapping, layout, world_size)
     trace = functools.partial(trace_step, model, batch, units=spec.units,
-                              compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units)
+                              compute_dtype=spec.compute_dtype, fp32_modules=spec.fp32_units,
+                              autocast_dtype=autocast)
     checkpointing = layout.checkpointing
     if checkpointing is None or checkpointing.wraps_layers:
         return trace(checkpoint_layers=spec.checkpoint_layers, checkpointing=checkpointing)

@@ -18,6 +18,7 @@ from torch import nn
 
 import mmfsdp  # noqa: F401  (fills the registries)
 
+from ..amp import autocast_dtype
 from ..checkpointing import AC_KEY, ActivationCheckpointing
 from ..dist import current_device
 from ..ema import configures_ema
@@ -161,6 +162,7 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
         chosen = "the model's repeated blocks, layer_cls='auto'"
     failed = None
     with DefaultScope.overwrite_default_scope(scope):
+        amp = autocast_dtype(optim_wrapper)  # once: what optim_context autocasts to
         try:
             batch, size, source = _batch(args, cfg, scope)
         except Exception as e:  # the batch needs the dataset's files
@@ -171,9 +173,9 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
                 if budget is not None:
                     found = fit(model, wrapping.options, scope, batch, size, args.world_size,
                                 layers, optimizer, ema, heap_threshold=heap,
-                                accumulative_counts=counts)
+                                accumulative_counts=counts, autocast=amp)
                 else:
-                    trace = trace_of(wrapping, layout, model, batch, args.world_size[0])
+                    trace = trace_of(wrapping, layout, model, batch, args.world_size[0], amp)
             except Exception as e:  # the model's code, traced: say where
                 failed = f'tracing the training step failed: {type(e).__name__}: {e}'
     if failed and budget is not None:  # nothing to list without a traced step: say why, briefly

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from ..wrappers.builder import resolve_wrapper
@@ -83,11 +84,12 @@ def fit(model: nn.Module, wrapper_cfg: Mapping[str, Any], scope: str, batch: Bat
         batch_size: int, world_sizes: Sequence[int], checkpoint_layer_cls: Sequence[str],
         optimizer_cfg: Optional[Mapping[str, Any]] = None, ema: bool = False,
         budget: Optional[int] = None, heap_threshold: Optional[int] = None,
-        accumulative_counts: int = 1) -> List[Candidate]:
+        accumulative_counts: int = 1, autocast: Optional[torch.dtype] = None) -> List[Candidate]:
     """Every candidate at every world size, cheapest first (only those within ``budget``).
 
     ``heap_threshold``: training on a CPU host (:func:`.host.heap_threshold`);
-    ``accumulative_counts``: the optim wrapper's micro-steps per optimizer step.
+    ``accumulative_counts``, ``autocast``: the optim wrapper's micro-steps per
+    optimizer step and AMP dtype.
     """
     from . import plan_of, trace_of
     traces: Dict[Tuple[Any, ...], StepTrace] = {}
@@ -100,7 +102,7 @@ def fit(model: nn.Module, wrapper_cfg: Mapping[str, Any], scope: str, batch: Bat
         layout = wrapping.layout(model)
         key = (checkpointing, repr(cfg.get('mixed_precision')))  # what the trace depends on
         if key not in traces:
-            traces[key] = trace_of(wrapping, layout, model, batch)
+            traces[key] = trace_of(wrapping, layout, model, batch, autocast=autocast)
         for n in world_sizes:
             plan: Plan = plan_of(wrapping, layout, model, n, optim_wrapper, ema)
             step = step_peak(plan, traces[key], batch_size, heap_threshold)

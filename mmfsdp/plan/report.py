@@ -135,7 +135,9 @@ def format_step(step: 'StepPeak', max_units: int = 8) -> str:
     """The training step's peak and its parts (the lines under a plan's table)."""
     trace = step.trace
     checkpointed = ', '.join(trace.checkpointed) or 'off'
-    dtype = str(trace.compute_dtype).replace('torch.', '')
+    dtype = str(trace.compute_dtype).replace('torch.', '') + (
+        f' under autocast to {trace.autocast_dtype}'.replace('torch.', '')
+        if trace.autocast_dtype else '')
     units = sorted(trace.by_unit.items(), key=lambda kv: -kv[1])
     shown = ', '.join(f"{name or '(root)'} {_size(n)}" for name, n in units[:max_units])
     more = len(units) - max_units

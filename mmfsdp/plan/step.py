@@ -93,6 +93,7 @@ class StepPeak:
         trace = self.trace
         return dict(batch_size=self.batch_size, activation_checkpointing=list(trace.checkpointed),
                     compute_dtype=str(trace.compute_dtype).replace('torch.', ''),
+                    autocast_dtype=trace.autocast_dtype and str(trace.autocast_dtype)[6:],
                     model_state_bytes=self.model_state_bytes, gathered_bytes=self.gathered_bytes,
                     activation_bytes=self.activation_bytes, transient_bytes=self.transient_bytes,
                     traced_transient_bytes=trace.transient_bytes, staging_bytes=self.staging_bytes,

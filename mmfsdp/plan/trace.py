@@ -65,6 +65,8 @@ class StepTrace:
     #: The methods that ran on real CPU tensors, measured rather than traced, each
     #: with what needed values: ``'head.loss (DynamicOutputShapeException: ...)'``.
     real_parts: Tuple[str, ...] = ()
+    #: dtype the forward ran under ``torch.autocast`` in (``AmpOptimWrapper``), or ``None``.
+    autocast_dtype: Optional[torch.dtype] = None
 
     def activation_bytes_below(self, threshold: int) -> int:
         """Bytes of the activations held in storages smaller than ``threshold`` bytes."""
@@ -290,7 +292,8 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
                compute_dtype: Optional[torch.dtype] = None,
                fp32_modules: Tuple[str, ...] = (),
                checkpointing: Optional[ActivationCheckpointing] = None,
-               real_bytes_limit: Optional[int] = None) -> StepTrace:
+               real_bytes_limit: Optional[int] = None,
+               autocast_dtype: Optional[torch.dtype] = None) -> StepTrace:
     """Trace forward + backward of ``model`` (real or on the meta device; left untouched).
 
     ``units`` are the wrapper's unit names (:attr:`ShardingSpec.units`);
@@ -298,7 +301,8 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
     the mode of ``checkpointing`` (full when ``None``);
     ``compute_dtype`` the dtype mixed precision computes in, and
     ``fp32_modules`` the modules that compute in fp32 all the same
-    (:attr:`ShardingSpec.fp32_units`).
+    (:attr:`ShardingSpec.fp32_units`); ``autocast_dtype`` the optim wrapper's AMP
+    dtype, which the forward runs under as ``optim_context`` runs it.
 
     Where the model needs tensor values, the method of the submodule around it
     runs on real CPU tensors (see :class:`_RealPart`; found by tracing again,
@@ -355,7 +359,8 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
                     t) in made.live else t, objects=False)
                 inputs, named = _map_tensors(held, lambda t: t.to(compute_dtype) if (
                     compute_dtype is not None and t.is_floating_point()) else t, objects=False)
-                with _raising(_NeedsValues):
+                with _raising(_NeedsValues), torch.autocast(
+                        'cpu', autocast_dtype, enabled=autocast_dtype is not None):
                     output = fake(*inputs, **named)
                 loss = _loss(output)
                 del output  # what backward does not need dies here, as in training
@@ -368,7 +373,7 @@ def trace_step(model: nn.Module, batch: BatchFn, units: Tuple[str, ...] = (),
             return StepTrace(activation_bytes=activations, peak_bytes=live.peak, by_unit=by_unit,
                              checkpointed=tuple(c.__name__ for c in checkpoint_layers),
                              compute_dtype=compute_dtype or next(model.parameters()).dtype,
-                             activation_sizes=sizes,
+                             activation_sizes=sizes, autocast_dtype=autocast_dtype,
                              real_parts=tuple(f'{name or "(root)"}.{method} ({cause})'
                                               for (name, method), cause in parts.items()))
         except _NeedsValues as need:  # where it needs values, and what it was doing there

@@ -1,7 +1,9 @@
 """The sharding plan's arithmetic on meta-device models: every parameter once, shards shrinking
 with the world size, warnings for plans that do not shard.
 """
+import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -121,7 +123,6 @@ def test_the_cli_resolves_once_and_lays_out_once_for_every_world_size(tmp_path, 
 
 # ---- detectors and segmenters as mmdet and mmseg build them -----------------------------------
 
-import pytest  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.registry import DATASETS, MODELS  # noqa: E402
 
@@ -277,3 +278,27 @@ def test_a_method_of_the_model_runs_on_real_tensors_not_its_whole_forward(tmp_pa
             in out), out
     assert '(root).pre_decoder (DynamicOutputShapeException: aten.nonzero.default' in out
     assert '(root).forward' not in out
+
+
+@pytest.mark.parametrize('optim_wrapper', [
+    dict(type='AmpOptimWrapper', dtype='bfloat16'),  # mmengine's
+    dict(type='mmfsdp.AmpOptimWrapper', dtype='bf16'),
+    dict(type='AmpOptimWrapper', loss_scale='dynamic')])  # tools/train.py --amp: float16
+def test_an_amp_optim_wrapper_traces_the_forward_under_autocast(tmp_path, capsys, optim_wrapper):
+    # the parameters stay fp32; the activations take the autocast dtype: about half
+    def step(optim):
+        config = tmp_path / 'amp_config.py'
+        config.write_text('model = dict(type="ToyClassifier", dim=64)\n'
+                          'model_wrapper_cfg = dict(type="mmfsdp.MMFullyShard")\n'
+                          f'optim_wrapper = dict({optim!r}, optimizer=dict(type="AdamW"))\n')
+        from mmfsdp.plan.__main__ import main
+        main([str(config), '--world-size', '2', '--input-shape', '8192,6', '--format', 'json'])
+        return json.loads(capsys.readouterr().out)[0]
+    capsys.readouterr()
+    fp32, amp = step({}), step(optim_wrapper)
+    ratio = amp['step']['activation_bytes'] / fp32['step']['activation_bytes']
+    assert 0.45 < ratio < 0.6, ratio
+    assert amp['step']['model_state_bytes'] == fp32['step']['model_state_bytes']
+    assert amp['step']['compute_dtype'] == 'float32'
+    low = 'float16' if optim_wrapper.get('dtype') is None else 'bfloat16'
+    assert (fp32['step']['autocast_dtype'], amp['step']['autocast_dtype']) == (None, low)
