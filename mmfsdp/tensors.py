@@ -3,8 +3,7 @@
 Tensors are found in lists, tuples (named too), dicts and, with ``objects``,
 the attributes of plain objects: mmengine's data samples
 (``DetDataSample.pred_instances.bboxes``, ``SegDataSample.seg_logits.data``),
-mmdet's boxes. The plan's trace, FSDP2's fp32 modules and the sharded
-wrappers' predictions all walk with it.
+mmdet's boxes. The plan's trace and FSDP2's fp32 modules walk with it.
 """
 import copy
 from typing import Any, Callable, List, Optional
@@ -48,12 +47,6 @@ def tensors(value: Any, objects: bool = False) -> List[torch.Tensor]:
     return found
 
 
-def cast_floats(value: Any, dtype: torch.dtype, below: int = 16, objects: bool = False) -> Any:
-    """``value`` with its floating-point tensors of fewer than ``below`` bytes cast to ``dtype``.
-
-    ``below=4, objects=True`` gives a model's bf16 / fp16 predictions (data
-    samples, dicts, tuples, at any depth) as an fp32 model returns them, which
-    a metric's ``.numpy()`` reads; integer tensors (labels) stay as they are.
-    """
-    return map_tensors(value, lambda t: t.to(dtype) if (
-        t.is_floating_point() and t.dtype.itemsize < below) else t, objects)
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating-point tensors (in lists, tuples, dicts) cast to ``dtype``."""
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t, False)

@@ -1,8 +1,9 @@
 """The private torch API mmfsdp relies on, each use with its reason."""
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -14,7 +15,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 
 # why: FSDP1 has no public reshard; its post-backward callback runs this one
 from torch.distributed.fsdp._runtime_utils import _reshard
@@ -35,7 +41,7 @@ __all__ = ['ActivationWrapper', 'BATCH_NORM_BASE', 'fsdp1_fp32_classes', 'with_f
            'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
            'convert_tensors',
            'direct_tensor', 'direct_tensors', 'dispatch_modes_off', 'fake_tensor_mode',
-           'fsdp1_reshard_if_gathered',
+           'fsdp1_reshard_if_gathered', 'full_precision',
            'gloo_worker_threads', 'initialiser', 'is_fake', 'operator_name', 'registered_buffers',
            'registered_child', 'registered_children', 'registered_parameters',
            'replace_registered', 'set_activation_memory_budget', 'set_fsdp1_gradient_sync',
@@ -73,6 +79,54 @@ def fsdp1_reshard_if_gathered(module: FullyShardedDataParallel) -> None:
                 or hasattr(flat_param, '_full_param_padded') and not handle.needs_unshard())
     if gathered:
         _reshard(module, handle, free_unsharded_flat_param=True)
+
+
+@contextlib.contextmanager
+def full_precision(module: nn.Module) -> Iterator[None]:
+    """Inside, the FSDP1 / FSDP2 units of ``module`` gather and compute in fp32, in eval mode.
+
+    mmengine's AMP autocasts the training step only: its loops evaluate in full
+    precision (an op such as mmcv's NMS refuses bf16). FSDP1 units in eval mode
+    then use their full-precision flat parameters and take uncast inputs (torch's
+    ``FSDP_USE_FULL_PREC_IN_EVAL``, set per unit); FSDP2 parameter groups gather
+    without ``param_dtype`` and cast no inputs. Each side of the switch is entered
+    resharded, so no gathered copy of the other dtype is used or kept.
+    """
+    fsdp1 = FullyShardedDataParallel.fsdp_modules(module)
+    fsdp2 = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    # why: FSDP1 reads this flag on each unit's state (inputs) and handle (parameters)
+    flags = [(o, o._use_full_prec_in_eval) for u in fsdp1 for o in (u, u._handle)
+             if o is not None]
+    # why: FSDP2 keeps the dtypes of a group's parameters privately (FSDPParam.param_dtype,
+    # from the group's mp_policy) and casts forward inputs by its state's _mp_policy;
+    # grouped fully_shard shares one state
+    states = list({id(s): s for s in (m._get_fsdp_state() for m in fsdp2)}.values())
+    groups = [g for s in states for g in s._fsdp_param_groups]
+    policies = [s._mp_policy for s in states], [g.mp_policy for g in groups]
+
+    def switch(full: Optional[bool], state_policies: List[Any], group_policies: List[Any]) -> None:
+        for unit in fsdp1:
+            fsdp1_reshard_if_gathered(unit)
+        for unit in fsdp2:
+            unit.reshard()
+        for (owner, flag) in flags:
+            owner._use_full_prec_in_eval = flag if full is None else full
+        for state, policy in zip(states, state_policies):
+            state._mp_policy = policy
+        for group, policy in zip(groups, group_policies):
+            group.mp_policy = policy  # lazy init (a first forward in eval) reads it too
+            for param in group.fsdp_params:
+                param.init_dtype_attrs(policy)
+                # why: the gathered buffers are made once, in param_dtype; freed, made again
+                param.all_gather_outputs = []
+                vars(param).pop('_unsharded_param', None)
+
+    switch(True, *([dataclasses.replace(p, param_dtype=None, output_dtype=None) for p in ps]
+                   for ps in policies))
+    try:
+        yield
+    finally:
+        switch(None, *policies)
 
 
 def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> None:

@@ -35,13 +35,17 @@ from ..checkpointing import (
     apply_activation_checkpointing_to,
     resolve_activation_checkpointing,
 )
-from ..compat import checkpoint_inner, dcp_drops_names, set_activation_memory_budget
+from ..compat import (
+    checkpoint_inner,
+    dcp_drops_names,
+    full_precision,
+    set_activation_memory_budget,
+)
 from ..compile import COMPILE_KEY, RegionalCompile, compile_layers, resolve_regional_compile
 from ..dist import current_device
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
-from ..tensors import cast_floats
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -382,7 +386,7 @@ class ParallelWrapper(nn.Module):
     _sync_next_backward: bool = True
     #: Whether it also all-reduces them across replicas (False inside a hybrid no_sync).
     _all_reduce_next_backward: bool = True
-    #: Whether mixed precision computes below fp32: ``val_step`` / ``test_step`` cast back.
+    #: Whether mixed precision computes below fp32: ``val_step`` / ``test_step`` compute in fp32.
     _low_precision: bool = False
 
     @classmethod
@@ -419,12 +423,11 @@ class ParallelWrapper(nn.Module):
         return self._predict('test_step', data)
 
     def _predict(self, step: str, data: Any) -> list:
-        """Predictions as an fp32 model gives them: a metric's ``.numpy()`` has no bf16."""
-        out = (getattr(self.module, step)(data) if step in own_steps(self.module) else
-               self._run_forward(self.module.data_preprocessor(data, training=False), 'predict'))
-        if self._low_precision:
-            out = cast_floats(out, torch.float32, below=4, objects=True)
-        return out
+        """Predictions computed in full precision, as mmengine's loops evaluate under AMP."""
+        with full_precision(self) if self._low_precision else contextlib.nullcontext():
+            return (getattr(self.module, step)(data) if step in own_steps(self.module) else
+                    self._run_forward(self.module.data_preprocessor(data, training=False),
+                                      'predict'))
 
     def _run_forward(self, data: Any, mode: str) -> Any:
         if isinstance(data, dict):

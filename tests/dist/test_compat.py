@@ -50,3 +50,65 @@ def test_dtensor_like_holds_the_given_local_tensor_in_the_sources_layout():
     from harness import run_distributed
     for rank in run_distributed(_dtensor_like, 2):
         assert rank == dict(same_memory=True, layout=(True, True, True), full=[7.0] * 6)
+
+
+def _full_precision():
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import (
+        FullyShardedDataParallel,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
+
+    from harness import COLLECTIVE_TIMEOUT_S
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    expected = plain(x)
+    fsdp2 = copy.deepcopy(plain)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(fsdp2[1], mp_policy=policy)
+    fully_shard(fsdp2, mp_policy=policy)
+    fsdp1 = FullyShardedDataParallel(
+        copy.deepcopy(plain), device_id=torch.device('cpu'), use_orig_params=True,
+        auto_wrap_policy=lambda module, recurse, **_: recurse or module is plain[1],
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    out, seen = {}, []
+    for name, model in (('fsdp2', fsdp2), ('fsdp1', fsdp1)):
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                layer.register_forward_hook(lambda m, i, o: seen.append(str(m.weight.dtype)))
+        runs = []
+        for mode in ('eval', 'train', 'eval'):  # FSDP2's first forward (lazy init) in eval
+            model.train(mode == 'train')
+            seen.clear()
+            with compat.full_precision(model) if mode == 'eval' else torch.enable_grad():
+                y = model(x)
+            runs.append(dict(mode=mode, weights=sorted(set(seen)), output=str(y.dtype),
+                             max_diff=float((y.float() - expected).abs().max())))
+            if mode == 'train':
+                y.float().sum().backward()
+        model.eval()
+        runs.append(str(model(x).dtype))  # eval outside the context: mixed precision
+        out[name] = runs
+    return out
+
+
+def test_full_precision_gathers_and_computes_in_fp32_in_eval_and_only_inside():
+    """``compat.full_precision``: FSDP2 (also when its first forward runs inside) and FSDP1
+    compute an eval forward in fp32, equal to the unsharded fp32 model; outside, bf16."""
+    from harness import run_distributed
+    for rank in run_distributed(_full_precision, 2):
+        for name, (first, train, again, outside) in rank.items():
+            for run in (first, again):
+                assert run['weights'] == ['torch.float32'] and run['output'] == 'torch.float32', \
+                    f'{name}: {run} (mmfsdp.compat.full_precision no longer switches precision)'
+                assert run['max_diff'] < 1e-6, f'{name}: {run}'
+            assert train['weights'] == ['torch.bfloat16'] and outside == 'torch.bfloat16', \
+                f'{name}: {train}, {outside} (full precision outlived the context)'

@@ -572,3 +572,36 @@ def test_torch_compile_reports_a_reached_recompile_limit_through_its_logger():
     assert len(heard) == 1 and 'recompile_limit (1)' in heard[0], (
         "torch.compile no longer warns 'torch._dynamo hit config.recompile_limit' through "
         "the logger torch._dynamo.convert_frame (mmfsdp.compat.on_recompile_limit)")
+
+
+def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
+    """``compat.full_precision``: FSDP1's eval flag (state and handle); FSDP2's dtypes per
+    parameter (from its group's ``mp_policy``), gathered buffers made once, input casts by
+    the state's ``_mp_policy``. The behaviour: tests/dist/test_compat.py."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import _runtime_utils as fsdp1_runtime
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    where = 'mmfsdp.compat.full_precision'
+    assert 'state._use_full_prec_in_eval = ' in inspect.getsource(fsdp_init_utils) and \
+        'self._use_full_prec_in_eval = ' in _source(FlatParamHandle.__init__), \
+        f'FSDP1 no longer sets _use_full_prec_in_eval on its state and handle ({where})'
+    assert 'self._use_full_prec_in_eval' in _source(FlatParamHandle._force_full_precision.fget) \
+        and 'state._use_full_prec_in_eval' in _source(fsdp1_runtime._root_cast_forward_input), \
+        f'FSDP1 no longer reads _use_full_prec_in_eval in eval mode ({where})'
+    assert hasattr(FSDPModule, '_get_fsdp_state') and 'state._fsdp_param_groups' in _source(
+        FSDPModule.reshard), f'FSDP2 no longer keeps its groups in _fsdp_param_groups ({where})'
+    assert 'self._mp_policy.param_dtype' in _source(FSDPState._cast_forward_inputs), \
+        f'FSDP2 no longer casts forward inputs by its state._mp_policy ({where})'
+    init_dtypes = _source(FSDPParamGroup._init_mp_dtypes)
+    assert 'fsdp_param.init_dtype_attrs(self.mp_policy)' in init_dtypes \
+        and 'self._init_mp_dtypes()' in _source(FSDPParamGroup.lazy_init), \
+        f"FSDP2's lazy init no longer sets the dtypes from the group's mp_policy ({where})"
+    assert _parameters(FSDPParam.init_dtype_attrs) == ['self', 'mp_policy'] and \
+        'self.param_dtype = param_dtype' in _source(FSDPParam.init_dtype_attrs), \
+        f'FSDPParam.init_dtype_attrs changed ({where})'
+    assert 'if len(self.all_gather_outputs) > 0:' in _source(FSDPParam.init_all_gather_outputs) \
+        and 'if hasattr(self, "_unsharded_param"):' in _source(FSDPParam.init_unsharded_param), \
+        f'FSDP2 no longer makes its gathered buffers once, as all_gather_outputs and ' \
+        f'_unsharded_param ({where})'
