@@ -239,15 +239,13 @@ def test_mmdet_train_py_fsdp2_equals_one_process(name, fsdp2, stock):
     assert got['map'] == ref['map']
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mmdet's head post-processes its bf16 outputs inside predict: base_dense_head.py:485 "
-    "calls mmcv's batched_nms, whose CPU kernel (mmcv/ops/nms.py:27, ext_module.nms) takes "
-    "float only: 'expected scalar type Float but found BFloat16' at the first validation. "
-    "Casting what val_step returns (c8ef00e) comes after it"))
 def test_mmdet_bf16_predictions_reach_coco_metric(coco, fsdp2, tmp_path, tmp_path_factory):
     """RetinaNet under the docs' ``mixed_precision`` bf16 lines (BatchNorms in fp32, the
     default) trains near the fp32 run and its predictions reach ``CocoMetric.process``,
-    which calls ``.numpy()`` on them."""
+    which calls ``.numpy()`` on them. The evaluation computes in fp32, as mmengine's AMP
+    does: before, mmdet's head post-processed bf16 outputs inside predict
+    (base_dense_head.py:485 calls mmcv's batched_nms, whose CPU kernel takes float only:
+    'expected scalar type Float but found BFloat16' at the first validation)."""
     mixed = dict(param_dtype='bf16', reduce_dtype='fp32')
     cfg = write_config(tmp_path_factory, _config(
         coco, 'retinanet', GLOBAL_BATCH // 2, _fsdp2('retinanet', mixed_precision=mixed)))
