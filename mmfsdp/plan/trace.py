@@ -176,10 +176,11 @@ class _Bridge(torch.autograd.Function):
             ones = [torch.ones(t.shape, dtype=t.dtype) for t in part.outputs]
             base = live.current - part.real.current  # what the trace holds beside the part
             part.real.peak = part.real.current
-            with _raising(part.failed), part.real:
+            # with the forward's real parameters: a checkpointed layer recomputes with them
+            with _raising(part.failed), part.real, part.holding(part.params):
                 torch.autograd.backward(part.outputs, ones)
             live.peak = max(live.peak, base + part.real.peak)
-            part.outputs = []  # the real graph goes; its storages leave ``live`` as they die
+            part.outputs, part.params = [], {}  # the real graph goes; its storages leave ``live``
         return (None, *(torch.empty(shape, dtype=dtype) for shape, dtype in ctx.inputs))
 
 
@@ -217,6 +218,15 @@ class _RealPart:
                 replace_registered(owner, name, tensors[id(t)])
         return old
 
+    @contextlib.contextmanager
+    def holding(self, tensors: Dict[int, torch.Tensor]) -> Iterator[None]:
+        """The module holds ``tensors`` (by id of the ones they replace) inside."""
+        old = self._swap(tensors)
+        try:
+            yield
+        finally:
+            self._swap(old)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with dispatch_modes_off(), _raising(self.failed):
             # the gradients of fake inputs go back into the trace
@@ -230,13 +240,9 @@ class _RealPart:
             for p in real.values():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p: setattr(p, 'grad', None))
-            fakes = self._swap(real)
-            self.real = _LiveBytes(self.limit)
-            try:
-                with self.real:
-                    out = self.call(*args, **kwargs)
-            finally:
-                self._swap(fakes)
+            self.params, self.real = real, _LiveBytes(self.limit)
+            with self.real, self.holding(real):
+                out = self.call(*args, **kwargs)
             self.outputs += [t for t in _tensors(out, objects=True) if t.requires_grad]
             self.live.peak = max(self.live.peak, self.live.current + self.real.peak)
             self.live.adopt(self.real, skip={storage_key(t) for t in self.outputs})

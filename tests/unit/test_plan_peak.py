@@ -372,6 +372,60 @@ def test_a_loss_that_reads_values_runs_on_real_tensors_inside_the_trace():
     assert 0 <= trace.peak_bytes - peak < 0.01 * peak
 
 
+class _RecordedLayer(torch.nn.Module):
+    """A checkpointed layer that records whether its weight is a fake tensor at each call."""
+
+    seen: list = []  # on the class: the trace deep-copies the model
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from mmfsdp.compat import is_fake
+        type(self).seen.append(is_fake(self.fc.weight))
+        return torch.relu(self.fc(x))
+
+
+class _ValueReadingEncoder(torch.nn.Module):
+    """DINO's encoder: reads its levels' sizes (``.item()``), then runs checkpointed layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_RecordedLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        x = x[:, :int(sizes.sum().item())].float()
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_checkpointed_layer_on_real_tensors_recomputes_with_its_real_weights():
+    # before, the recomputation in backward ran on the trace's fake weights: under AMP DINO
+    # Swin-L's encoder then recomputed its LayerNorm statistics in bf16 where the forward had
+    # fp32 ('Recomputed values ... have different metadata'), and the step could not be planned
+    from mmengine.model import BaseModel
+
+    class Net(BaseModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.encoder = torch.nn.Linear(4, 8), _ValueReadingEncoder()
+
+        def forward(self, x, sizes, mode='loss'):
+            return dict(loss=self.encoder(self.embed(x), sizes).sum())
+
+    with torch.device('meta'):
+        model = Net()
+    wrapper = dict(type='mmfsdp.MMFullyShard', activation_checkpointing=dict(
+        layer_cls=['_RecordedLayer']))
+    batch = (torch.randn(2, 6, 4), torch.tensor([2, 3]))
+    trace = trace_for(MMFullyShard, wrapper, model, lambda m: (batch, {}), autocast=torch.bfloat16)
+    assert trace.real_parts[0].startswith('encoder.forward (')
+    # the real part's forward and its recomputation, of both layers: real weights each time
+    assert _RecordedLayer.seen[-4:] == [False, False, False, False], _RecordedLayer.seen
+
+
 def test_a_part_on_real_tensors_is_bounded():
     from mmfsdp.plan.trace import trace_step
     images, labels = _images()
