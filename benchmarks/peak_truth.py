@@ -20,8 +20,9 @@ checkpointed layers, the shipped SGD: trained from their config file as
 :mod:`benchmarks.auto_wrap` trains one (after a warm-up run of the same config) and
 predicted by ``python -m mmfsdp.plan CONFIG --device cpu --cpu-allocator glibc``.
 Block: ``peak-truth-zoo``. ``--dino`` plans mmdet's DINO Swin-L at 8 ranks on an
-accelerator (how its large-model example trains it; no measurement), at the pipeline's
-largest scale and at 667 x 400. Block: ``dino-swin-l``.
+accelerator (how its large-model example trains it: AMP bf16 and checkpointing; no
+measurement), at the pipeline's largest scale and at 667 x 400, where fp32 too. Block:
+``dino-swin-l``.
 """
 import argparse
 import json
@@ -83,14 +84,16 @@ DINO_README = ('FSDP + AMP + checkpointing of backbone and encoder 8.5 GB (2.4 s
                'without AMP 14 GB (2.9 s/iter), DeepSpeed ZeRO-3 + AMP + both 5.0 GB (1.4 s/iter)')
 
 
-def dino_plan(scale: Optional[Tuple[int, int]] = None, world_size: int = 8) -> str:
+def dino_plan(scale: Optional[Tuple[int, int]] = None, world_size: int = 8,
+              amp: Optional[str] = 'bfloat16') -> str:
     """The plan of DINO Swin-L at ``world_size`` ranks on an accelerator, and how long it took.
 
-    ``scale``: images resized to it (keep-ratio) instead of the pipeline's largest scale.
+    ``scale``: images resized to it (keep-ratio) instead of the pipeline's largest scale;
+    ``amp``: the dtype of mmengine's ``AmpOptimWrapper`` (the README's AMP), ``None``: fp32.
     """
     import time
     zoo_data()
-    cfg = dict(DINO)
+    cfg = dict(DINO, optim_wrapper=dict(type='AmpOptimWrapper', dtype=amp)) if amp else dict(DINO)
     if scale:
         cfg['train_dataloader'] = dict(cfg['train_dataloader'], dataset=dict(
             cfg['train_dataloader']['dataset'], pipeline=ZOO['retinanet-r18'][
@@ -107,7 +110,8 @@ def dino_plan(scale: Optional[Tuple[int, int]] = None, world_size: int = 8) -> s
     step, gib = plan['step'], lambda b: f'{b / 2**30:.2f} GiB'
     head = (f"mmdet 3.3.0's `dino/dino-5scale_swin-l_8xb2-12e_coco.py` "
             f"({plan['numel'] / 1e6:.0f} M parameters), FSDP2 at {world_size} ranks, "
-            'AdamW as shipped, fp32, '
+            'AdamW as shipped, ' + (f"AMP {amp} (mmengine's AmpOptimWrapper: fp32 parameters, "
+                                    'the forward under autocast), ' if amp else 'fp32, ') +
             f"{' and '.join(DINO_LAYERS)} as units and checkpointed, batch 2 per rank, "
             f'planned for an accelerator in {took:.0f} s on this host: model states '
             f"{gib(plan['model_state_bytes_per_rank'])} per rank, ")
@@ -292,7 +296,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     blocks = {name: records.header(prog) + '\n\n' + table(r) for name, r in rows.items() if r}
     if args.dino:
         blocks.update({'dino-swin-l': records.header(prog) + ''.join(
-            f'\n\n- {dino_plan(scale)}' for scale in (None, (667, 400)))})
+            f'\n\n- {dino_plan(scale, amp=amp)}' for scale, amp in (
+                (None, 'bfloat16'), ((667, 400), 'bfloat16'), ((667, 400), None)))})
     records.finish(args, blocks)
 
 
