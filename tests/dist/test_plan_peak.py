@@ -187,9 +187,10 @@ def test_fit_memory_on_a_vision_config(tmp_path, capsys):
     assert fsdp and all(r['model_wrapper_cfg']['mixed_precision'] == dict(param_dtype='bf16')
                         for r in fsdp)
     assert all(r['compute_dtype'] == 'bfloat16' for r in fsdp)
-    assert not any(r['activation_checkpointing'] for r in rows)  # no units, no layer named
+    # nothing names layers to checkpoint: every candidate also tries the repeated blocks
+    assert {r['activation_checkpointing'] == ['Sequential'] for r in rows} == {True, False}
     text = _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB').out
-    assert 'activation checkpointing not tried' in text
+    assert "AC on checkpoints Sequential (the model's repeated blocks, layer_cls='auto')" in text
     # a DDP config (no units) asks for layers to checkpoint: every candidate tries them
     rows = json.loads(_plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB',
                             '--format', 'json', '--activation-checkpointing', 'Sequential',
