@@ -108,11 +108,6 @@ def _type_of(cfg: Mapping[str, Any]) -> Any:
     return kind
 
 
-def _is_stock_amp(cfg: Mapping[str, Any]) -> bool:
-    """Whether ``cfg['type']`` is mmengine's ``AmpOptimWrapper``."""
-    return _type_of(cfg) is MMEngineAmpOptimWrapper
-
-
 def autocast_dtype(optim_wrapper: Any) -> Optional[torch.dtype]:
     """The dtype the forward autocasts to under an ``optim_wrapper`` config (``None``: no AMP).
 
@@ -133,11 +128,11 @@ def replace_stock_amp(optim_wrapper: Any) -> Tuple[Any, List[str]]:
     """
     if not isinstance(optim_wrapper, Mapping):
         return optim_wrapper, []
-    if _is_stock_amp(optim_wrapper):
+    if _type_of(optim_wrapper) is MMEngineAmpOptimWrapper:
         options = {k: v for k, v in optim_wrapper.items() if k not in ('use_fsdp', '_scope_')}
         return dict(options, type=AmpOptimWrapper), ['optim_wrapper.type']
     replaced = {name: replace_stock_amp(sub)[0] for name, sub in optim_wrapper.items()
-                if isinstance(sub, Mapping) and 'type' in sub and _is_stock_amp(sub)}
+                if isinstance(sub, Mapping) and _type_of(sub) is MMEngineAmpOptimWrapper}
     if not replaced:
         return optim_wrapper, []
     return dict(optim_wrapper, **replaced), [f'optim_wrapper.{name}.type' for name in replaced]

@@ -135,8 +135,6 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
               f'BatchNorm, as FSDPRunner converts them there ({len(converted)} modules: '
               f"{', '.join(converted)})", file=sys.stderr)
     optim_wrapper = cfg.get('optim_wrapper') or {}
-    optimizer = optim_wrapper.get('optimizer', {})
-    counts = optim_wrapper.get('accumulative_counts', 1)
     ema = configures_ema(cfg.get('custom_hooks'))
     allocator = args.cpu_allocator
     if device == 'cpu' and allocator == 'auto':
@@ -172,8 +170,9 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
             try:
                 if budget is not None:
                     found = fit(model, wrapping.options, scope, batch, size, args.world_size,
-                                layers, optimizer, ema, heap_threshold=heap,
-                                accumulative_counts=counts, autocast=amp)
+                                layers, optim_wrapper.get('optimizer'), ema, heap_threshold=heap,
+                                accumulative_counts=optim_wrapper.get('accumulative_counts', 1),
+                                autocast=amp)
                 else:
                     trace = trace_of(wrapping, layout, model, batch, args.world_size[0], amp)
             except Exception as e:  # the model's code, traced: say where

@@ -18,10 +18,6 @@ UNIT_COUNT_LIMIT = 1000
 
 def size_text(n: float) -> str:
     """Bytes for people: ``1.5 GiB``."""
-    return _size(n)
-
-
-def _size(n: float) -> str:
     for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
         if abs(n) < 1024 or unit == 'TiB':
             return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
@@ -91,23 +87,23 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
             lines.append(f'... {len(rows) - max_rows} more units ...')
         name = u.name or '(root)'
         lines.append(f'{name[-32:]:<32} {u.cls[:20]:<20} {_count(u.numel):>8} '
-                     f'{_size(u.param_bytes):>11} {_size(u.grad_bytes):>11} '
-                     f'{_size(u.optimizer_bytes):>11}')
+                     f'{size_text(u.param_bytes):>11} {size_text(u.grad_bytes):>11} '
+                     f'{size_text(u.optimizer_bytes):>11}')
     lines.append('-' * len(header))
     lines.append(f"{'total per rank':<32} {'':<20} {_count(plan.numel):>8} "
-                 f'{_size(sum(u.param_bytes for u in rows)):>11} '
-                 f'{_size(sum(u.grad_bytes for u in rows)):>11} '
-                 f'{_size(sum(u.optimizer_bytes for u in rows)):>11}')
+                 f'{size_text(sum(u.param_bytes for u in rows)):>11} '
+                 f'{size_text(sum(u.grad_bytes for u in rows)):>11} '
+                 f'{size_text(sum(u.optimizer_bytes for u in rows)):>11}')
     if plan.ema_bytes_per_rank:
-        lines.append(f'EMA (EMAHook) per rank {_size(plan.ema_bytes_per_rank)}: the averaged '
+        lines.append(f'EMA (EMAHook) per rank {size_text(plan.ema_bytes_per_rank)}: the averaged '
                      'copy of this rank\'s parameter shards only')
-    lines.append(f'model states per rank {_size(plan.model_state_bytes_per_rank)} '
-                 f'(unsharded: {_size(plan.unsharded_bytes)}); largest unit '
+    lines.append(f'model states per rank {size_text(plan.model_state_bytes_per_rank)} '
+                 f'(unsharded: {size_text(plan.unsharded_bytes)}); largest unit '
                  f"{plan.largest_unit.name or '(root)'} gathers "
-                 f'{_size(plan.largest_unit.gathered_bytes)}; peak estimate '
-                 f'{_size(plan.peak_bytes_per_rank_estimate)} per rank (activations not '
+                 f'{size_text(plan.largest_unit.gathered_bytes)}; peak estimate '
+                 f'{size_text(plan.peak_bytes_per_rank_estimate)} per rank (activations not '
                  'included)')
-    lines.append(f'construction peak {_size(plan.construction_bytes_per_rank)} per rank of '
+    lines.append(f'construction peak {size_text(plan.construction_bytes_per_rank)} per rank of '
                  f'parameters on the device ({plan.spec.construction.value})')
     named = [u for u in rows if u.name]
     if named:  # the classes of the units, and the share of the parameters each class holds
@@ -139,27 +135,27 @@ def format_step(step: 'StepPeak', max_units: int = 8) -> str:
         f' under autocast to {trace.autocast_dtype}'.replace('torch.', '')
         if trace.autocast_dtype else '')
     units = sorted(trace.by_unit.items(), key=lambda kv: -kv[1])
-    shown = ', '.join(f"{name or '(root)'} {_size(n)}" for name, n in units[:max_units])
+    shown = ', '.join(f"{name or '(root)'} {size_text(n)}" for name, n in units[:max_units])
     more = len(units) - max_units
     return '\n'.join([
         f'training step, batch {step.batch_size} per rank (activation checkpointing: '
-        f'{checkpointed}; computing in {dtype}): peak {_size(step.total_bytes)} per rank = '
-        f'model states {_size(step.model_state_bytes)} + gathered units '
-        f'{_size(step.gathered_bytes)} + activations {_size(step.activation_bytes)} + '
-        f'largest transient {_size(step.transient_bytes)}',
+        f'{checkpointed}; computing in {dtype}): peak {size_text(step.total_bytes)} per rank = '
+        f'model states {size_text(step.model_state_bytes)} + gathered units '
+        f'{size_text(step.gathered_bytes)} + activations {size_text(step.activation_bytes)} + '
+        f'largest transient {size_text(step.transient_bytes)}',
         'activations kept for backward, by unit: ' + shown +
         (f' and {more} more' if more > 0 else '')] +
         ([f'measured on real CPU tensors, not traced (the code needs tensor values; random '
           f"weights, the batch's own targets): {'; '.join(trace.real_parts)}"]
          if trace.real_parts else []) +
-        ([f'gradients ({_size(step.freed_grad_bytes)}) are freed between steps: backward '
+        ([f'gradients ({size_text(step.freed_grad_bytes)}) are freed between steps: backward '
           'creates them as it frees the activations, so the peak counts the larger of the two']
          if step.freed_grad_bytes else []) +
-        ([f'CPU heap: {_size(step.heap_activation_bytes)} of the activations are in blocks '
-          f'below the heap threshold ({_size(step.heap_threshold or 0)}) and stay resident '
+        ([f'CPU heap: {size_text(step.heap_activation_bytes)} of the activations are in blocks '
+          f'below the heap threshold ({size_text(step.heap_threshold or 0)}) and stay resident '
           'after backward frees them: counted apart from that comparison']
          if step.heap_activation_bytes and step.freed_grad_bytes else []) +
-        ([f'CPU: gloo stages a whole unit ({_size(step.staging_bytes)}) in every all-gather '
+        ([f'CPU: gloo stages a whole unit ({size_text(step.staging_bytes)}) in every all-gather '
           'and reduce-scatter; the largest transient is the larger of that and the traced '
-          f'rise in backward ({_size(step.trace.transient_bytes)})']
+          f'rise in backward ({size_text(step.trace.transient_bytes)})']
          if step.staging_bytes else []))

@@ -208,24 +208,18 @@ class _RealPart:
         return RealPartError(f'{self.name} cannot be traced ({self.cause}) and failed on real '
                              f'CPU tensors too: {_cause(error)}{hint}')
 
-    def _swap(self, tensors: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
-        """Put ``tensors`` (by id of the ones they replace) in the module; return the old ones."""
-        old = {}
-        for owner in self.module.modules():
-            for name, t in [*owner.named_parameters(recurse=False),
-                            *owner.named_buffers(recurse=False)]:
-                old[id(tensors[id(t)])] = t
-                replace_registered(owner, name, tensors[id(t)])
-        return old
-
     @contextlib.contextmanager
     def holding(self, tensors: Dict[int, torch.Tensor]) -> Iterator[None]:
         """The module holds ``tensors`` (by id of the ones they replace) inside."""
-        old = self._swap(tensors)
+        slots = [(owner, name, t) for owner in self.module.modules() for name, t in [
+            *owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]]
+        for owner, name, t in slots:
+            replace_registered(owner, name, tensors[id(t)])
         try:
             yield
         finally:
-            self._swap(old)
+            for owner, name, t in slots:
+                replace_registered(owner, name, t)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with dispatch_modes_off(), _raising(self.failed):
