@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 import contract_models  # noqa: F401  (registers ParityShiftedDataset)
 from harness import max_abs_diff, run_distributed, scalar_history
-from toy import IN_DIM, WRAPPERS, ToyClassifier, runner_config
+from toy import IN_DIM, WRAPPERS, NormRecorder, ToyClassifier, runner_config
 
 #: Validation after iterations 2, 4 and 5 (the last).
 ITERS, VAL_INTERVAL, VALIDATIONS = 5, 2, 3
@@ -61,20 +61,6 @@ class MmdetSyncNormHook(Hook):
         means = [m.reshape(v.shape) for m, v in
                  zip(flat.split([v.numel() for v in states.values()]), states.values())]
         runner.model.load_state_dict(dict(zip(states, means)), strict=False)
-
-
-@HOOKS.register_module()
-class NormRecorder(Hook):
-    """Keeps this rank's buffers at each validation (before or after the sync hook)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.records: List[Dict[str, torch.Tensor]] = []
-
-    def before_val_epoch(self, runner) -> None:
-        from mmfsdp.names import unwrapped_named_buffers
-        self.records.append({name: b.detach().clone()
-                             for name, b in unwrapped_named_buffers(runner.model)})
 
 
 def _train(root: str, name: str) -> Dict[str, Any]:

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from mmengine.config import Config
 from mmengine.evaluator import BaseMetric
+from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from mmengine.registry import (
     DATASETS,
+    HOOKS,
     METRICS,
     MODELS,
     OPTIM_WRAPPER_CONSTRUCTORS,
@@ -120,6 +122,20 @@ class ToyMetric(BaseMetric):
     def compute_metrics(self, results: list) -> Dict[str, float]:
         return dict(nll=sum(r[0] for r in results) / len(results),
                     accuracy=sum(r[1] for r in results) / len(results))
+
+
+@HOOKS.register_module()
+class NormRecorder(Hook):
+    """Keeps this rank's buffers at each validation (before or after a hook that syncs them)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.records: list = []
+
+    def before_val_epoch(self, runner) -> None:
+        from mmfsdp.names import unwrapped_named_buffers
+        self.records.append({name: b.detach().clone()
+                             for name, b in unwrapped_named_buffers(runner.model)})
 
 
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module()

@@ -18,18 +18,17 @@ Needs the environment of ``tools/zoo_env.sh`` (mmdet imports ``mmcv.ops``); skip
 reason, otherwise. Marked ``zoo``: select it with ``-m zoo``.
 """
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
 from mmengine.config import Config
-from mmengine.hooks import Hook
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.registry import DATASETS, MODELS
 from torch.utils.data import Dataset
 
 from harness import max_abs_diff, run_distributed, scalar_history
-from toy import runner_config
+from toy import NormRecorder, runner_config
 
 pytestmark = pytest.mark.zoo
 
@@ -85,20 +84,6 @@ class ParityImages(Dataset):
         return dict(inputs=self.images[i])
 
 
-@HOOKS.register_module()
-class ZooNormRecorder(Hook):
-    """Keeps this rank's buffers at each validation (before or after the sync hook)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.records: List[Dict[str, torch.Tensor]] = []
-
-    def before_val_epoch(self, runner) -> None:
-        from mmfsdp.names import unwrapped_named_buffers
-        self.records.append({name: b.detach().clone()
-                             for name, b in unwrapped_named_buffers(runner.model)})
-
-
 def _train(root: str, name: str) -> Dict[str, Any]:
     from mmfsdp import FSDPRunner
     wrapper, hook = RUNS[name]
@@ -109,8 +94,8 @@ def _train(root: str, name: str) -> Dict[str, Any]:
         cfg[loader]['dataset']['type'] = 'ParityImages'
     cfg['train_dataloader']['sampler'] = dict(type='DefaultSampler', shuffle=False)
     cfg['train_cfg']['val_interval'] = VAL_INTERVAL
-    cfg['custom_hooks'] = [dict(type='ZooNormRecorder', label='before', priority=40),
-                           dict(type='ZooNormRecorder', label='after', priority=50)]
+    cfg['custom_hooks'] = [dict(type='NormRecorder', label='before', priority=40),
+                           dict(type='NormRecorder', label='after', priority=50)]
     if isinstance(hook, str):
         cfg['custom_hooks'].append(dict(type=hook, priority=48))  # as in YOLOX's configs
     runner = FSDPRunner.from_cfg(Config(cfg))
@@ -120,7 +105,7 @@ def _train(root: str, name: str) -> Dict[str, Any]:
         runner.register_hook(dict(type=hook, priority=48))
     runner.train()
     out: Dict[str, Any] = {h.label: h.records for h in runner.hooks
-                           if isinstance(h, ZooNormRecorder)}
+                           if isinstance(h, NormRecorder)}
     out['hook'] = [f'{type(h).__module__}.{type(h).__name__}' for h in runner.hooks
                    if type(h).__name__ == 'SyncNormHook']
     out['loss'] = torch.tensor(scalar_history(runner, 'train/loss'))
