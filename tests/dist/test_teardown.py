@@ -32,7 +32,7 @@ def _teardown_with_a_group_still_referenced():
 
 
 def test_shutdown_destroys_every_group_and_leaves_the_workers_idle():
-    for rank in run_distributed(_teardown_with_a_group_still_referenced, 2):
+    for rank in run_distributed(_teardown_with_a_group_still_referenced, 2, fresh=True):
         assert rank['workers_alive'] >= 2
         assert rank['settled'] and not rank['initialized']
         # The default group's workers were joined; the referenced group's stay, idle.
@@ -47,7 +47,7 @@ def _teardown_of_unreferenced_groups():
 
 
 def test_groups_nothing_references_take_their_workers_with_them():
-    assert run_distributed(_teardown_of_unreferenced_groups, 2) == [0, 0]
+    assert run_distributed(_teardown_of_unreferenced_groups, 2, fresh=True) == [0, 0]
 
 
 def test_settling_without_gloo_workers_returns_at_once():
@@ -67,7 +67,8 @@ def _runner_in_a_group_the_caller_started(work_dir):
 def test_runner_in_the_callers_group_settles_its_workers_at_exit_and_leaves_the_group(tmp_path):
     """The group is the caller's to destroy, but the gloo workers of the groups the wrapped
     model holds must be idle before the interpreter finalizes (the exit abort above)."""
-    for rank in run_distributed(_runner_in_a_group_the_caller_started, 2, str(tmp_path)):
+    for rank in run_distributed(_runner_in_a_group_the_caller_started, 2, str(tmp_path),
+                                    fresh=True):
         assert rank['before'] == [] and rank['after'] == ['settle_gloo_workers']
         assert rank['initialized']
 
@@ -86,5 +87,5 @@ def _registrations(runner_first: bool) -> list:
 def test_a_wrapper_registers_one_settle_at_exit_and_keeps_the_runners_teardown():
     """``teardown_at_exit`` (called by each wrapper when built) registers the settle once, and
     nothing beside the ``shutdown_distributed`` that FSDPRunner registered (it settles too)."""
-    assert run_distributed(_registrations, 1, False) == [['settle_gloo_workers']]
-    assert run_distributed(_registrations, 1, True) == [['shutdown_distributed']]
+    assert run_distributed(_registrations, 1, False, fresh=True) == [['settle_gloo_workers']]
+    assert run_distributed(_registrations, 1, True, fresh=True) == [['shutdown_distributed']]

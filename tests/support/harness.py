@@ -8,7 +8,13 @@ deadline is killed and fails the test, so a collective that never completes
 cannot hang the suite. Process groups are started with :data:`COLLECTIVE_TIMEOUT_S`
 so that each collective also times out on its own.
 
-Tests batch several checks into one call: starting interpreters is the cost.
+Tests batch several checks into one call: starting interpreters is the cost. So the
+ranks are kept: a run's interpreters serve the next run of the same world size (a
+fresh process group on a fresh port each time, the process's global state put back
+between runs, see :func:`_serve`). A run in which a rank raised, hung or died ends
+its interpreters, and so does ``fresh=True``, for a test about the process itself
+(what it registers at exit); ``MMFSDP_TEST_FRESH_RANKS=1`` starts new interpreters
+for every run.
 
 ``run_job(cmd, env=job_env(...))`` runs a whole job the way a user starts it
 (``tools/dist_train.sh``, ``torchrun``, a third-party ``train.py``) in its own
@@ -18,7 +24,9 @@ The small comparisons the checks share (:func:`max_abs_diff`,
 :func:`scalar_history`, :func:`raised`) live here too, so that every test
 measures "equal to one process" the same way.
 """
+import atexit
 import multiprocessing
+import multiprocessing.connection
 import os
 import socket
 import sys
@@ -56,54 +64,148 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable,
-           args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    try:
-        result = fn(*args)
-    except BaseException:
-        with open(os.path.join(out_dir, f'{rank}.err'), 'w') as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        shutdown_distributed()  # as FSDPRunner does at exit (mmfsdp/dist.py)
-    torch.save(result, os.path.join(out_dir, f'{rank}.pt'))
+#: ``MMFSDP_TEST_FRESH_RANKS=1``: every run starts its own interpreters (no reuse).
+FRESH_RANKS = os.environ.get('MMFSDP_TEST_FRESH_RANKS') == '1'
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> List[Any]:
-    """Run ``fn(*args)`` on ``world_size`` ranks; return the results, rank 0 first.
+def _reset_process_state(environ: Dict[str, str], cwd: str, path: List[str]) -> None:
+    """Put back what a run may leave in a rank's interpreter, as a new one would have it."""
+    import torch._dynamo
+    from mmengine.logging import MessageHub, MMLogger
+    from mmengine.registry import DefaultScope
+    from mmengine.visualization import Visualizer
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+    # mmengine's named global instances (a runner's logger, message hub, visualizer and
+    # default scope, named by the experiment and its start second): a new runner of the
+    # next run must not find the last one's.
+    for manager in (MessageHub, MMLogger, Visualizer, DefaultScope):
+        manager._instance_dict.clear()
+    torch._dynamo.reset()  # compiled graphs and recompile counts
+    torch.set_default_dtype(torch.float32)
+    torch.seed()  # a new interpreter's generator is seeded at random too
 
-    ``fn`` must be a module-level function (it is pickled by reference) and
-    return tensors, numbers, strings, or lists / dicts of them.
+
+def _serve(rank: int, world_size: int, conn) -> None:
+    """A rank's interpreter: run each ``(port, out_dir, fn, args)`` it is sent, until EOF.
+
+    Each run gets torchrun's variables with its own port, one thread, and the
+    teardown at its end; its result or traceback goes to ``out_dir`` as
+    ``{rank}.pt`` / ``{rank}.err``, then ``'done'`` goes back on the pipe.
     """
-    sys.audit('harness.run_distributed', world_size)  # tests/unit refuses it
-    ctx = multiprocessing.get_context('spawn')
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1')
+    torch.set_num_threads(1)
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    while True:
+        try:
+            port, out_dir, fn, args = conn.recv()
+        except EOFError:
+            return
+        os.environ['MASTER_PORT'] = str(port)
+        try:
+            result = fn(*args)
+        except BaseException:
+            with open(os.path.join(out_dir, f'{rank}.err'), 'w') as f:
+                f.write(traceback.format_exc())
+        else:
+            torch.save(result, os.path.join(out_dir, f'{rank}.pt'))
+        finally:
+            shutdown_distributed()  # as FSDPRunner does at exit (mmfsdp/dist.py)
+            _reset_process_state(environ, cwd, path)
+        conn.send('done')
+
+
+class _Ranks:
+    """``world_size`` interpreters (spawned) that each run one function at a time."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = multiprocessing.get_context('spawn')
+        self.procs, self.pipes = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world_size, child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.pipes.append(parent)
+
+    def usable(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, out_dir: str, timeout: float) -> List[int]:
+        """Send the run to every rank; return the ranks still running at ``timeout``."""
+        port = free_port()
+        for pipe in self.pipes:
+            pipe.send((port, out_dir, fn, args))
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
+        waiting = dict(zip(self.pipes, range(len(self.pipes))))
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while waiting:
+            ready = multiprocessing.connection.wait(
+                list(waiting) + list(sentinels), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ready_one in ready:
+                if ready_one in sentinels:  # the rank died: its pipe will never answer
+                    waiting = {p: r for p, r in waiting.items() if r != sentinels[ready_one]}
+                    del sentinels[ready_one]
+                elif ready_one in waiting:
+                    ready_one.recv()
+                    del waiting[ready_one]
+        return sorted(r for r in waiting.values() if self.procs[r].is_alive())
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.close()  # an idle rank sees EOF and returns
+        for p in self.procs:
+            p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+#: The kept interpreters, by world size.
+_KEPT: Dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_kept_ranks() -> None:
+    while _KEPT:
+        _KEPT.popitem()[1].close()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
+                    fresh: bool = False) -> List[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the results, rank 0 first.
+
+    ``fn`` must be a module-level function (it is pickled by reference) and
+    return tensors, numbers, strings, or lists / dicts of them. The ranks'
+    interpreters are reused across runs unless ``fresh`` (module docstring).
+    """
+    sys.audit('harness.run_distributed', world_size)  # tests/unit refuses it
+    ranks = _KEPT.pop(world_size, None)
+    if ranks is None or not ranks.usable():
+        if ranks is not None:
+            ranks.close()
+        ranks = _Ranks(world_size)
+    with tempfile.TemporaryDirectory() as out_dir:
+        hung = ranks.run(fn, args, out_dir, timeout)
         errors = {r: open(os.path.join(out_dir, f'{r}.err')).read()
                   for r in range(world_size) if os.path.exists(os.path.join(out_dir, f'{r}.err'))}
+        died = {r: p.exitcode for r, p in enumerate(ranks.procs) if not p.is_alive()}
+        if fresh or FRESH_RANKS or hung or errors or died:
+            ranks.close()  # kills the hung ones
+        else:
+            _KEPT[world_size] = ranks
         if errors:
             raise AssertionError('\n'.join(f'--- rank {r} raised:\n{e}' for r, e in errors.items()))
         if hung:
             raise TimeoutError(f'ranks {hung} still running after {timeout} s (a hung collective?)')
-        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
-        if failed:
-            raise AssertionError(f'ranks exited with codes {failed}')
+        if died:
+            raise AssertionError(f'ranks exited with codes {died}')
         return [torch.load(os.path.join(out_dir, f'{r}.pt')) for r in range(world_size)]
 
 
