@@ -123,10 +123,10 @@ def clip_by_global_norm(optim_wrapper: AnyOptimWrapper, model: nn.Module) -> Non
         options = norm_clip_options(wrapper)
         if options is None:
             continue
-        unsupported = set(options) - {'max_norm', 'norm_type'}
+        unsupported = set(options) - set(CLIP_GRAD_KEYS)
         if unsupported:
             raise ValueError(f'optim_wrapper.clip_grad: {sorted(unsupported)} not supported with '
-                             f'{type(model).__name__}; valid keys are max_norm, norm_type')
+                             f'{type(model).__name__}; valid keys are {", ".join(CLIP_GRAD_KEYS)}')
         replace_grad_clipping(wrapper, functools.partial(_clip_own_parameters, wrapper, model,
                                                           options))
 
@@ -142,8 +142,12 @@ def _clip_own_parameters(wrapper: OptimWrapper, model: nn.Module,
 
 
 # ---- clipping by the norm over all ranks --------------------------------------------------
+#: The keys of ``clip_grad`` (``type='norm'``): ``torch.nn.utils.clip_grad_norm_``'s keywords.
+CLIP_GRAD_KEYS = ('max_norm', 'norm_type', 'error_if_nonfinite', 'foreach')
+
+
 def global_grad_norm(model: nn.Module, params: Iterable[nn.Parameter],
-                     norm_type: float = 2.0) -> torch.Tensor:
+                     norm_type: float = 2.0, foreach: Optional[bool] = None) -> torch.Tensor:
     """The ``norm_type`` norm of the gradients of ``params`` over all ranks.
 
     Collective for a sharded ``model``: call it on every rank with the same
@@ -154,38 +158,51 @@ def global_grad_norm(model: nn.Module, params: Iterable[nn.Parameter],
     norm_type = float(norm_type)
     fsdp1 = FullyShardedDataParallel.fsdp_modules(model)
     if fsdp1:
-        return _fsdp1_norm(fsdp1, params, norm_type)
+        return _fsdp1_norm(fsdp1, params, norm_type, foreach)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def clip_grads_by_global_norm(model: nn.Module, params: Iterable[nn.Parameter],
-                              max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+                              max_norm: float, norm_type: float = 2.0,
+                              error_if_nonfinite: bool = False,
+                              foreach: Optional[bool] = None) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``.
 
-    Returns the norm before clipping. Collective, as :func:`global_grad_norm`.
+    Returns the norm before clipping. Collective, as :func:`global_grad_norm`. The
+    keywords mean what they mean to ``torch.nn.utils.clip_grad_norm_``; a non-finite norm
+    with ``error_if_nonfinite`` raises on every rank at once, since every rank holds the
+    same global norm.
     """
     params = list(params)
-    norm = global_grad_norm(model, params, norm_type)
+    norm = global_grad_norm(model, params, norm_type, foreach)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f'The total norm of order {float(norm_type)} for gradients from `parameters` (over '
+            'all ranks) is non-finite, so it cannot be clipped. To disable this error and scale '
+            'the gradients by the non-finite norm anyway, set '
+            'optim_wrapper.clip_grad.error_if_nonfinite=False')
     with_grads = [p for p in params if p.grad is not None]
     if with_grads:
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm, foreach=foreach)
     return norm
 
 
 def _fsdp1_norm(fsdp_modules: List[FullyShardedDataParallel], params: List[nn.Parameter],
-                norm_type: float) -> torch.Tensor:
+                norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
     sharded: Set[int] = set()
     for module in fsdp_modules:
         if module.sharding_strategy is not ShardingStrategy.NO_SHARD:
             sharded.update(id(p) for p in module.parameters())
     group = fsdp_modules[0].process_group
     device = fsdp_modules[0].compute_device
-    local_sharded = _local_norm([p for p in params if id(p) in sharded], norm_type, device)
-    replicated = _local_norm([p for p in params if id(p) not in sharded], norm_type, device)
+    local_sharded = _local_norm([p for p in params if id(p) in sharded], norm_type, device,
+                                foreach)
+    replicated = _local_norm([p for p in params if id(p) not in sharded], norm_type, device,
+                             foreach)
     if math.isinf(norm_type):
         dist.all_reduce(local_sharded, op=dist.ReduceOp.MAX, group=group)
         return torch.maximum(local_sharded, replicated)
@@ -194,12 +211,13 @@ def _fsdp1_norm(fsdp_modules: List[FullyShardedDataParallel], params: List[nn.Pa
     return (total + replicated.pow(norm_type)).pow(1.0 / norm_type)
 
 
-def _local_norm(params: List[nn.Parameter], norm_type: float,
-                device: torch.device) -> torch.Tensor:
+def _local_norm(params: List[nn.Parameter], norm_type: float, device: torch.device,
+                foreach: Optional[bool]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.zeros((), device=device)
-    return torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+    return norm.to(device, torch.float32)
 
 
 def is_sharded(model: nn.Module) -> bool:
