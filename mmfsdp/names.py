@@ -1,11 +1,15 @@
-"""The unwrapped model's name of a wrapped model's parameter, by the wrappers' own prefixes.
+"""The unwrapped model's names: of a wrapped model's parameters, and of its checkpoints' keys.
 
 A component is dropped only where the module that owns it is a wrapper (DDP and
 mmengine-style ``module``, FSDP1's ``_fsdp_wrapped_module``, activation
 checkpointing's ``_checkpoint_wrapped_module``), so a model's own child called
 ``module`` keeps its name.
+
+A model's checkpoints hold the keys its own ``state_dict()`` returns
+(:func:`note_checkpoint_keys`), whatever wraps it.
 """
-from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
+import weakref
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 from mmengine.model import is_model_wrapper
@@ -23,8 +27,36 @@ from .compat import (
     registered_parameters,
 )
 
-__all__ = ['for_tta_model', 'module_tree', 'unwrapped_name', 'unwrapped_named_buffers',
-           'unwrapped_named_parameters', 'unwrapped_param_names']
+__all__ = ['checkpoint_keys', 'for_tta_model', 'module_tree', 'note_checkpoint_keys',
+           'unwrapped_name', 'unwrapped_named_buffers', 'unwrapped_named_parameters',
+           'unwrapped_param_names']
+
+#: The keys a model's own ``state_dict()`` returns, where its class returns fewer than
+#: ``nn.Module``'s, by model (noted before wrapping: FSDP1 and DDP gather state through their
+#: own module tree and never call the model's method).
+_CHECKPOINT_KEYS: 'weakref.WeakKeyDictionary[nn.Module, FrozenSet[str]]' = (
+    weakref.WeakKeyDictionary())
+
+
+def note_checkpoint_keys(model: nn.Module) -> None:
+    """Note which keys ``model``'s checkpoints hold; called on the model before it is wrapped.
+
+    A model whose ``state_dict()`` returns a subset of its tensors (a LoRA
+    fine-tune returns its adapter; the frozen base model comes from its own
+    pretrained files) gets checkpoints of that subset under every wrapper, as
+    mmengine's stock Runner saves ``model.state_dict()``, and loading and
+    resuming expect that subset. A ``state_dict()`` that renames keys is left alone.
+    """
+    if type(model).state_dict is nn.Module.state_dict:
+        return
+    own = set(model.state_dict(keep_vars=True))
+    if own < set(nn.Module.state_dict(model, keep_vars=True)):
+        _CHECKPOINT_KEYS[model] = frozenset(own)
+
+
+def checkpoint_keys(model: nn.Module) -> Optional[FrozenSet[str]]:
+    """The keys checkpoints of ``model`` (wrapped or not) hold; ``None``: every key."""
+    return _CHECKPOINT_KEYS.get(getattr(model, 'module', model))
 
 
 def unwrapped_name(model: nn.Module, name: str) -> str:

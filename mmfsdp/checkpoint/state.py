@@ -13,6 +13,10 @@ itself) are rank 0's in both formats, as in mmengine's stock checkpoint.
 :func:`match_keys` is mmengine's
 ``load_from`` rule (skip and list what does not fit), decided from names and
 shapes before any tensor is read.
+
+Checkpoints hold what the model's own ``state_dict()`` returns, under every
+wrapper: a model whose class narrows it (XTuner's LoRA model returns its adapter)
+saves, loads and resumes those keys only (:func:`mmfsdp.names.note_checkpoint_keys`).
 """
 import contextlib
 import copy
@@ -27,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mmengine.dist import is_main_process
+from mmengine.dist import all_reduce, is_main_process
 from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import control_group, fail_together
 from ..dist import current_device
-from ..names import unwrapped_param_names
+from ..names import checkpoint_keys, unwrapped_param_names
 from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from .background import BackgroundWrite, ShardStager, run_in_background, writer_group
@@ -95,6 +99,13 @@ def _options(full: bool, strict: bool = True) -> StateDictOptions:
                             strict=strict)
 
 
+def _model_state(model: nn.Module, options: StateDictOptions) -> Dict[str, Any]:
+    """``get_model_state_dict``, keeping the keys the model's own ``state_dict()`` returns."""
+    state = get_model_state_dict(model, options=options)
+    keys = checkpoint_keys(model)
+    return state if keys is None else {k: v for k, v in state.items() if k in keys}
+
+
 def _per_wrapper(optim_wrapper: AnyOptimWrapper, fn) -> Any:
     """``fn(wrapper)`` for a single wrapper, ``{name: fn(wrapper)}`` for a dict of them."""
     results = {name: fn(wrapper) for name, wrapper in named_optim_wrappers(optim_wrapper)}
@@ -118,9 +129,15 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     DCP initialises an empty optimizer state by a zero-gradient ``step()``:
     Adam's ``step`` and moments would then exist, and training after a save
-    made before the first real step would differ. That state is removed again.
+    made before the first real step would differ. That state is removed again
+    where no rank has any: a rank may hold no element of any trainable
+    parameter (FSDP1 with a frozen base model, an adapter's few tensors in one
+    rank's part of a unit), and its part of a sharded state is still owed.
+    Collective (one ``all_reduce``).
     """
-    fresh = not optimizer.state
+    stepped = torch.tensor(int(bool(optimizer.state)))
+    all_reduce(stepped, op='max')
+    fresh = not stepped.item()
     state = get_optimizer_state_dict(model, optimizer, options=options)
     if fresh:
         optimizer.state.clear()
@@ -132,7 +149,7 @@ def gather_full_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
                       ) -> Tuple[Dict[str, torch.Tensor], Optional[Any]]:
     """The unsharded model state and name-keyed optimizer state (collective)."""
     options = _options(full=True)
-    model_state = get_model_state_dict(model, options=options)
+    model_state = _model_state(model, options)
     if optim_wrapper is None:
         return model_state, None
 
@@ -153,7 +170,7 @@ def sharded_state(model: nn.Module, optim_wrapper: Optional[AnyOptimWrapper]
     has no shards.
     """
     options = _options(full=False)
-    shards: Dict[str, Any] = dict(model=get_model_state_dict(model, options=options))
+    shards: Dict[str, Any] = dict(model=_model_state(model, options))
     if optim_wrapper is None:
         return shards, None
     states = {name: _optimizer_state(model, w.optimizer, options)
@@ -297,7 +314,7 @@ class KeyMatch:
 
 def model_shapes(model: nn.Module) -> Dict[str, Optional[torch.Size]]:
     """The unwrapped model's keys and full shapes (``None``: not a tensor); collective."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    state = _model_state(model, StateDictOptions(full_state_dict=False))
     return {k: torch.Size(v.size()) if isinstance(v, torch.Tensor) else None
             for k, v in state.items()}
 
@@ -520,7 +537,7 @@ def load_sharded(path: str, model: nn.Module, optim_wrapper: Optional[AnyOptimWr
     every key exactly); ``meta`` is the :data:`META_FILE` content, read if not given.
     """
     options = _options(full=False)
-    own = get_model_state_dict(model, options=options)
+    own = _model_state(model, options)
     if match is None:
         match = match_keys({k: None for k in own}, {k: None for k in own})
     keys = SafeFileSystemReader(path, allow_unsafe).read_metadata().state_dict_metadata

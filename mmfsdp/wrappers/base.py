@@ -43,6 +43,7 @@ from ..compat import (
 )
 from ..compile import COMPILE_KEY, RegionalCompile, compile_layers, resolve_regional_compile
 from ..dist import current_device
+from ..names import note_checkpoint_keys
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
 from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
@@ -394,6 +395,7 @@ class ParallelWrapper(nn.Module):
         """Wrap ``module`` with keyword options, by hand (``options``: ``model_wrapper_cfg``)."""
         config = cls.CONFIG.from_dict(options)
         config.check_device(current_device())
+        note_checkpoint_keys(module)
         return cls.wrap(module, config, config.layout(ModelIndex(module)))
 
     @classmethod

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from ..names import note_checkpoint_keys
 from ..options import check_keys, suggest
 from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
@@ -103,6 +104,7 @@ class Wrapping:
                 args['device_ids'] = None if device.type == 'cpu' else [device.index]
             return MMENGINE_MODEL_WRAPPERS.build(dict(self.options, type=self.cls),
                                                  default_args=args)
+        note_checkpoint_keys(module)
         config = self.config
         if sync_module_states:
             config = dataclasses.replace(config, sync_module_states=True)
