@@ -218,8 +218,9 @@ def _device_id(value: Any, out: StrategyTranslation) -> None:
     if named is None or named.type != here.type:
         _refuse('model_wrapper.device_id', value, f'this process trains on {here} (its '
                 "accelerator by LOCAL_RANK, else the CPU); remove it")
-    out._nothing('model_wrapper.device_id', value, f'each rank trains on its own {here.type} '
-                 'device by LOCAL_RANK, as mmengine sets it')
+    out._nothing('model_wrapper.device_id', value, 'this process trains on the CPU' if
+                 here.type == 'cpu' else f'each rank trains on its {here.type} device by '
+                 "LOCAL_RANK, mmengine's device_id")
 
 
 def _state_dict_cfg(value: Any, out: StrategyTranslation) -> None:
