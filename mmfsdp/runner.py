@@ -149,13 +149,17 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         converted here, before the model is checked or walked and before any
         collective (:func:`revert_sync_bn`), and logged once. A FlexibleRunner
         ``strategy`` is logged here as translated (:mod:`mmfsdp.strategies`), once.
+        What the constructor reads (mmengine's ``load_checkpoint``, ``torch.hub``'s
+        ``load_state_dict_from_url`` of ``pretrained=True`` models) goes through
+        the safe reader (:func:`safe_reads`), as initialisation does.
         """
         if self._strategy.lines:
             self.logger.info(self._strategy.log_block())
-        if self._wrap_state.meta_init:
-            built = build_on_meta(super().build_model, model)
-        else:
-            built = super().build_model(model)
+        with safe_reads(bool(self.cfg.get(UNSAFE_SWITCH, False))):
+            if self._wrap_state.meta_init:
+                built = build_on_meta(super().build_model, model)
+            else:
+                built = super().build_model(model)
         if current_device().type != 'cpu':
             return built
         built, converted = revert_sync_bn(built)

@@ -15,12 +15,15 @@ strategies".
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
+import torch
 from mmengine.optim import OptimWrapper
 from mmengine.registry import FUNCTIONS
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from .amp import AmpOptimWrapper
+from .dist import current_device
 from .options import check_keys, option_dict, resolve_flag, suggest
+from .wrappers.fsdp import resolve_cpu_offload
 
 __all__ = ['NO_STRATEGY', 'StrategyTranslation', 'translate_strategy']
 
@@ -34,6 +37,8 @@ _STAGES = {0: dict(type='mmfsdp.MMDistributedDataParallel'), **{
     stage: dict(type=FSDP2, reshard_after_forward=stage == 3, auto_wrap_policy='auto')
     for stage in (1, 2, 3)}}
 _FORMATS = dict(full='full', local='sharded', sharded='sharded')  # or 'FULL_STATE_DICT', ...
+#: mmengine's ``state_dict_cfg=dict(...)`` keys (``FSDPStrategy._init_state_dict_cfg``).
+_STATE_DICT_CFG = ('state_dict_type', 'state_dict_config', 'optim_state_dict_config')
 
 
 def _keys(names: str, why: Optional[str] = None) -> Dict[str, Optional[str]]:
@@ -47,7 +52,10 @@ _DEEPSPEED = {
     '': dict(_keys('zero_optimization fp16 bf16 gradient_clipping gradient_accumulation_steps'),
              inputs_to_half='autocast runs each op of the forward in float16',
              train_micro_batch_size_per_gpu='train_dataloader.batch_size sets it',
-             steps_per_print="mmengine's LoggerHook interval sets what is logged"),
+             steps_per_print="mmengine's LoggerHook interval sets what is logged",
+             activation_checkpointing="DeepSpeed's section configures deepspeed.checkpointing, "
+             "which only the model's own code calls; to recompute layers write "
+             'model_wrapper_cfg.activation_checkpointing in place of strategy'),
     'zero_optimization': dict(_keys('stage cpu_offload offload_param offload_optimizer'), **_keys(
         'allgather_partitions reduce_scatter allgather_bucket_size reduce_bucket_size overlap_comm'
         ' contiguous_gradients sub_group_size round_robin_gradients stage3_prefetch_bucket_size '
@@ -59,17 +67,23 @@ _DEEPSPEED = {
                  **_keys('hysteresis consecutive_hysteresis min_loss_scale', _SCALER),
                  fp16_master_weights_and_grads='AMP keeps fp32 master weights',
                  auto_cast='autocast casts the inputs of each op')}
+#: ``offload_param`` / ``offload_optimizer`` keys besides ``device`` and ``pin_memory``: what
+#: DeepSpeed tunes its own CPU / NVMe buffers with (``ratio`` is checked apart).
+_OFFLOAD_TUNING = 'nvme_path buffer_count buffer_size max_in_cpu pipeline_read pipeline_write ' \
+    'fast_init'
 #: Per strategy type: its keys, and those refused with what to write instead (besides the
-#: keywords that ``FlexibleRunner`` fills from the config's own keys, and a ``check_fn``).
-_KEYS = dict(FSDPStrategy=(_keys('model_wrapper skip_init_weights state_dict_cfg'), {}),
+#: keywords that ``FlexibleRunner`` fills from the config's own keys). Each is refused only
+#: when set: mmengine's default for all of them is ``None``, logged as unset.
+_KEYS = dict(FSDPStrategy=(_keys('model_wrapper skip_init_weights state_dict_cfg'), dict(
+                 activation_checkpointing='strategy.model_wrapper.activation_checkpointing='
+                 'dict(layer_cls=[...]) (the classes to recompute; a check_fn is not taken)')),
              DeepSpeedStrategy=(_DEEPSPEED[''], dict(
                  config='its sections (zero_optimization, fp16, ...) as keys of strategy',
                  amp='strategy.fp16 or bf16 (not apex)', aio="offload_param=dict(device='cpu')",
                  exclude_frozen_parameters='nothing (checkpoints hold every parameter)')))
-_REFUSED = dict({k: f'the config key {v}' for k, v in dict(
+_REFUSED = {k: f'the config key {v}' for k, v in dict(
     env_kwargs='env_cfg', log_kwargs='log_level / log_processor',
-    **{k: k for k in 'work_dir experiment_name auto_scale_lr sync_bn'.split()}).items()},
-    activation_checkpointing='model_wrapper_cfg.activation_checkpointing=dict(layer_cls=[...])')
+    **{k: k for k in 'work_dir experiment_name auto_scale_lr sync_bn'.split()}).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +166,13 @@ def translate_strategy(cfg: Mapping[str, Any]) -> StrategyTranslation:
                        f'FSDPRunner translates {list(_KEYS)}; for DDP remove strategy')
     refused = dict(_REFUSED, **_KEYS[kind][1])
     check_keys(strategy, ('type', *_KEYS[kind][0], *refused), 'strategy')
-    for key in (k for k in refused if k in strategy):  # in a fixed order: the same on every rank
+    for key in (k for k in refused if strategy.get(k) is not None):  # the same order on all ranks
         _refuse(key, strategy[key], f'write {refused[key]} instead')
     checkpoint = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
     out = StrategyTranslation(given={'optim_wrapper': optim,
                                      'default_hooks.checkpoint': checkpoint})
+    for key in (k for k in refused if k in strategy):  # each None: mmengine's default
+        out._nothing(key, None, "mmengine's default, unset")
     (_fsdp if kind == 'FSDPStrategy' else _deepspeed)(strategy, cfg, out)
     return out
 
@@ -178,23 +194,56 @@ def _fsdp(strategy: Mapping, cfg: Mapping, out: StrategyTranslation) -> None:
             _refuse(src, value, 'mmfsdp does not call it; write strategy.skip_init_weights=True')
         elif key == 'use_orig_params' and value is True:
             out._nothing(src, value, 'always so')
-        elif key == 'cpu_offload' and wrapper == FSDP2:
+        elif key == 'device_id':
+            _device_id(value, out)
+        elif key == 'cpu_offload' and wrapper == FSDP2:  # read as FSDP1 reads it (pinned memory)
             out._set(src, 'model_wrapper_cfg', dict(offload=dict(
-                cpu_offload=bool(getattr(value, 'offload_params', value)))))
+                cpu_offload=resolve_cpu_offload(value).offload_params)))
         elif key != 'type':  # the same key of the wrapper, which resolves (or refuses) it
             out._set(src, 'model_wrapper_cfg',
                      {key: _policy(value, src) if key == 'auto_wrap_policy' else value})
     if resolve_flag(strategy.get('skip_init_weights', False), 'strategy.skip_init_weights'):
         out._set('skip_init_weights', 'model_wrapper_cfg', dict(init_device='meta'))
-    value = strategy.get('state_dict_cfg')
-    if value is not None:
-        kind = option_dict(value, ['state_dict_type'], 'strategy.state_dict_cfg', '').get(
-            'state_dict_type', 'local') if isinstance(value, Mapping) else value
-        kind = _FORMATS.get(str(getattr(kind, 'name', kind)).lower().replace('_state_dict', ''))
-        if kind is None:
-            raise ValueError(f'strategy.state_dict_cfg: {value!r} is not translated; valid '
-                             f'choices are {list(_FORMATS)} or dict(state_dict_type=...)')
-        out._set('state_dict_cfg', 'checkpoint', dict(state_dict_type=kind))
+    _state_dict_cfg(strategy.get('state_dict_cfg'), out)
+
+
+def _device_id(value: Any, out: StrategyTranslation) -> None:
+    """FSDP1's ``device_id``: mmengine passes ``LOCAL_RANK``; CPU users write the CPU."""
+    here = current_device()
+    try:
+        named = torch.device(here.type if here.type != 'cpu' and isinstance(value, int)
+                             and not isinstance(value, bool) else value)
+    except (RuntimeError, TypeError):
+        named = None
+    if named is None or named.type != here.type:
+        _refuse('model_wrapper.device_id', value, f'this process trains on {here} (its '
+                "accelerator by LOCAL_RANK, else the CPU); remove it")
+    out._nothing('model_wrapper.device_id', value, 'this process trains on the CPU' if
+                 here.type == 'cpu' else f'each rank trains on its {here.type} device by '
+                 "LOCAL_RANK, mmengine's device_id")
+
+
+def _state_dict_cfg(value: Any, out: StrategyTranslation) -> None:
+    """``state_dict_cfg``: mmengine's ``'local'`` (its default) is per-rank shards."""
+    hook = out.given['default_hooks.checkpoint']
+    if value is None and 'state_dict_type' in hook:  # the hook's own choice stands
+        out._nothing('state_dict_cfg', value, 'unset; default_hooks.checkpoint.state_dict_type='
+                     f"{hook['state_dict_type']!r} is the config's")
+        return
+    kind = 'local' if value is None else value
+    if isinstance(value, Mapping):
+        option_dict(value, _STATE_DICT_CFG, 'strategy.state_dict_cfg', '')
+        kind = value.get('state_dict_type', 'local')  # mmengine's default without it
+    kind = _FORMATS.get(str(getattr(kind, 'name', kind)).lower().replace('_state_dict', ''))
+    if kind is None:
+        raise ValueError(f'strategy.state_dict_cfg: {value!r} is not translated; valid '
+                         f'choices are {list(_FORMATS)} or dict(state_dict_type=...)')
+    out._set('state_dict_cfg', 'checkpoint', dict(state_dict_type=kind),
+             "unset: mmengine's 'local', per-rank shards" if value is None else '')
+    for key in (k for k in _STATE_DICT_CFG[1:] if isinstance(value, Mapping) and k in value):
+        out._nothing(f'state_dict_cfg.{key}', value[key], "how FSDP1 gathers for mmengine's "
+                     'save; ' + ("mmfsdp's full format gathers to the CPU, rank 0 writes" if
+                                 kind == 'full' else 'each rank writes its own shards'))
 
 
 def _policy(value: Any, src: str) -> Any:
@@ -227,15 +276,7 @@ def _deepspeed(strategy: Mapping, cfg: Mapping, out: StrategyTranslation) -> Non
                          'valid choices are 0, 1, 2, 3')
     out._set('zero_optimization.stage', 'model_wrapper_cfg', _STAGES[stage], 'the nearest: '
              'FSDP2 has no optimizer-only sharding' if stage == 1 else '')
-    for key in (k for k in ('cpu_offload', 'offload_param', 'offload_optimizer') if k in zero):
-        device = zero[key].get('device') if isinstance(zero[key], Mapping) else zero[key] and 'cpu'
-        if device not in ('cpu', 'none', False, None):
-            _refuse(f'zero_optimization.{key}.device', device, "only 'cpu' is offloaded to")
-        if device == 'cpu':
-            out._set(f'zero_optimization.{key}', 'model_wrapper_cfg', dict(offload=dict(
-                cpu_offload=True)))
-        else:
-            out._nothing(f'zero_optimization.{key}', zero[key], 'no offload, the default')
+    _offload(zero, out)
     if fp16.get('enabled') and bf16.get('enabled'):
         raise ValueError('strategy.fp16 and strategy.bf16 are both enabled: enable one')
     low = 'bf16' if bf16.get('enabled') else 'fp16' if fp16.get('enabled') else None
@@ -252,11 +293,16 @@ def _deepspeed(strategy: Mapping, cfg: Mapping, out: StrategyTranslation) -> Non
                  'optim_wrapper', dict(loss_scale=float(fixed) if fixed else dict(
                      init_scale=2.0**fp16.get('initial_scale_power', 16),
                      growth_interval=fp16.get('loss_scale_window', 1000))))
-    for src, key in (('gradient_clipping', 'clip_grad'),
-                     ('gradient_accumulation_steps', 'accumulative_counts')):
-        if strategy.get(src) is not None:
-            out._set(src, 'optim_wrapper', {key: dict(max_norm=strategy[src]) if key ==
-                                            'clip_grad' else strategy[src]})
+    clip = strategy.get('gradient_clipping')
+    if isinstance(clip, bool) or not isinstance(clip, (int, float, type(None))) or (clip or 0) < 0:
+        _refuse('gradient_clipping', clip, 'DeepSpeed takes a max norm > 0, or 0 for no clipping')
+    if clip:
+        out._set('gradient_clipping', 'optim_wrapper', dict(clip_grad=dict(max_norm=clip)))
+    elif clip is not None:
+        out._nothing('gradient_clipping', clip, "DeepSpeed's 0: no clipping, its default")
+    if strategy.get('gradient_accumulation_steps') is not None:
+        out._set('gradient_accumulation_steps', 'optim_wrapper',
+                 dict(accumulative_counts=strategy['gradient_accumulation_steps']))
     batch = (cfg.get('train_dataloader') or {}).get('batch_size')
     if strategy.get('inputs_to_half') is not None and low != 'fp16':
         _refuse('inputs_to_half', strategy['inputs_to_half'], 'it applies with fp16 only')
@@ -268,3 +314,37 @@ def _deepspeed(strategy: Mapping, cfg: Mapping, out: StrategyTranslation) -> Non
     for section, keys in _DEEPSPEED.items():
         for key in (k for k, why in keys.items() if why and k in sections[section]):
             out._nothing(f'{section}.{key}'.lstrip('.'), sections[section][key], keys[key])
+
+
+def _offload(zero: Mapping, out: StrategyTranslation) -> None:
+    """``zero_optimization``'s offload sections: to the CPU, all or nothing (FSDP2's offload)."""
+    pinned: Dict[str, Any] = {}
+    for key in (k for k in ('cpu_offload', 'offload_param', 'offload_optimizer') if k in zero):
+        src, section = f'zero_optimization.{key}', zero[key]
+        if not isinstance(section, Mapping):  # the legacy cpu_offload=True / False
+            section = dict(device='cpu' if resolve_flag(section, f'strategy.{src}') else 'none')
+        option_dict(section, ('device', 'pin_memory', 'ratio', *_OFFLOAD_TUNING.split()),
+                    f'strategy.{src}', "dict(device='cpu' | 'none', ...)")
+        device = section.get('device') or 'none'  # DeepSpeed's default
+        if device not in ('cpu', 'none'):
+            _refuse(f'{src}.device', device, "only 'cpu' is offloaded to")
+        if device == 'none':
+            out._nothing(src, zero[key], 'no offload, the default')
+            continue
+        if section.get('ratio', 1) != 1:
+            _refuse(f'{src}.ratio', section['ratio'], 'FSDP2 offloads the whole optimizer state '
+                    'or none of it; remove ratio (1: all) or the offload')
+        out._set(src, 'model_wrapper_cfg', dict(offload=dict(cpu_offload=True)))
+        if 'pin_memory' in section:
+            pinned[f'{src}.pin_memory'] = resolve_flag(section['pin_memory'],
+                                                       f'strategy.{src}.pin_memory')
+        for name in (k for k in section if k in _OFFLOAD_TUNING.split() or k == 'ratio'):
+            out._nothing(f'{src}.{name}', section[name], 'tuning of DeepSpeed\'s offload '
+                         'buffers; FSDP2 keeps the offloaded state in CPU memory' if name !=
+                         'ratio' else 'all of it, as FSDP2 offloads')
+    if len(set(pinned.values())) > 1:
+        raise ValueError(f'{" and ".join("strategy." + k for k in pinned)} differ: FSDP2 offloads '
+                         'parameters, gradients and optimizer state to one kind of CPU memory; '
+                         'make them equal')
+    for src, pin in pinned.items():  # both the same: pinned (page-locked) CPU memory or not
+        out._set(src, 'model_wrapper_cfg', dict(offload=dict(cpu_offload=True, pin_memory=pin)))

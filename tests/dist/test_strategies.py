@@ -1,9 +1,10 @@
 """FlexibleRunner strategies under FSDPRunner at 2 ranks: sharded, and equal to mmfsdp's own keys.
 
-Each toy run with a ``strategy`` (mmpretrain's FSDP one with a size-based policy; DeepSpeed
-ZeRO-3 fp16 and ZeRO-2 bf16 with ``DeepSpeedOptimWrapper`` and a layer-wise lr decay
-constructor) is trained beside the same run written with mmfsdp's native keys, in one
-2-process group. The translation itself: ``tests/unit/test_strategies.py``.
+Each toy run with a ``strategy`` (mmpretrain's FSDP one with a size-based policy and no
+``state_dict_cfg``; DeepSpeed ZeRO-3 fp16 and ZeRO-2 bf16 with ``DeepSpeedOptimWrapper`` and a
+layer-wise lr decay constructor; ZeRO-2 with DeepSpeed's ``gradient_clipping=0.0``, no
+clipping) is trained beside the same run written with mmfsdp's native keys, in one 2-process
+group. The translation itself: ``tests/unit/test_strategies.py``.
 """
 import os
 
@@ -12,7 +13,8 @@ from mmengine.config import Config
 from harness import max_abs_diff, run_distributed
 from toy import runner_config
 
-FSDP = dict(type='FSDPStrategy', state_dict_cfg='local', model_wrapper=dict(auto_wrap_policy=dict(
+# no state_dict_cfg: mmengine's default 'local', per-rank shards
+FSDP = dict(type='FSDPStrategy', model_wrapper=dict(auto_wrap_policy=dict(
     type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy', min_num_params=1e3)))
 ZERO = dict(allgather_partitions=True, reduce_scatter=True, allgather_bucket_size=50000000,
             reduce_bucket_size=50000000, overlap_comm=True, contiguous_gradients=True,
@@ -22,6 +24,9 @@ FP16 = dict(enabled=True, fp16_master_weights_and_grads=False, loss_scale=0, los
 DS3 = dict(type='DeepSpeedStrategy', fp16=FP16, inputs_to_half=['inputs'],
            zero_optimization=dict(ZERO, stage=3))
 DS2 = dict(type='DeepSpeedStrategy', bf16=dict(enabled=True), zero_optimization=dict(ZERO, stage=2))
+# DeepSpeed's gradient_clipping=0.0 is its default, no clipping
+DS2_NO_CLIP = dict(type='DeepSpeedStrategy', gradient_clipping=0.0, zero_optimization=dict(stage=2))
+SGD = dict(optimizer=dict(type='SGD', lr=0.1))
 DECAY = dict(optimizer=dict(type='AdamW', lr=1e-2), constructor='DecayByDepth',
              paramwise_cfg=dict(layer_decay_rate=0.5))
 AMP = dict(DECAY, type='mmfsdp.AmpOptimWrapper')
@@ -42,6 +47,12 @@ RUNS = dict(
                 dict(model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard',
                                             reshard_after_forward=False, auto_wrap_policy='auto'),
                      optim_wrapper=dict(AMP, dtype='bfloat16', loss_scale=dict(enabled=False)))),
+    zero2_no_clipping=(dict(strategy=DS2_NO_CLIP, optim_wrapper=dict(SGD,
+                                                                     type='DeepSpeedOptimWrapper')),
+                       dict(model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard',
+                                                   reshard_after_forward=False,
+                                                   auto_wrap_policy='auto'),
+                            optim_wrapper=dict(SGD, type='OptimWrapper'))),
 )
 
 
@@ -86,10 +97,11 @@ def test_strategies_train_sharded_and_equal_native_keys(tmp_path):
         assert got['wrapper'] == 'MMFullyShard' and got['sharded']
         assert got['plan'] == 'mmfsdp.MMFullyShard'
         assert got['translated'] == 1 and native['translated'] == 0
-        assert got['optim'] == native['optim'] == 'AmpOptimWrapper'
+        assert got['optim'] == native['optim'] == (
+            'OptimWrapper' if name == 'zero2_no_clipping' else 'AmpOptimWrapper')
         assert got['lrs'] == native['lrs']
         assert got['checkpoint_is_dir'] == native['checkpoint_is_dir']
         assert diff == 0.0
     # the layer-wise decay constructor of DeepSpeedOptimWrapper is honoured
     assert out['zero3_fp16/strategy']['lrs'] == [1e-2 * 0.5**3, 1e-2 * 0.5**2, 1e-2 * 0.5, 1e-2]
-    assert out['fsdp/strategy']['checkpoint_is_dir']  # state_dict_cfg='local': sharded
+    assert out['fsdp/strategy']['checkpoint_is_dir']  # no state_dict_cfg: 'local', sharded

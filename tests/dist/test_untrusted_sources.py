@@ -1,8 +1,10 @@
 """What a run reads from elsewhere loads weights-only, at 2 ranks.
 
 ``init_cfg=dict(type='Pretrained', checkpoint=<URL>)`` under ``FSDPRunner``,
-eagerly and under meta init, and a backbone whose own ``init_weights`` calls
-mmengine's ``load_checkpoint`` (as Swin backbones do): a pickle served by a
+eagerly and under meta init, a backbone whose own ``init_weights`` calls
+mmengine's ``load_checkpoint`` (as Swin backbones do), and one whose constructor
+loads the URL (mmengine's ``load_checkpoint(self, url)``, or ``torch.hub``'s
+``load_state_dict_from_url`` as timm's ``pretrained=True``): a pickle served by a
 local ``http.server`` is refused on both ranks and its payload (a shell command
 that would create ``ran-on-rank-$RANK``) never runs; a weights-only file loads;
 with ``allow_unsafe_checkpoints`` the pickle loads, with a warning. And
@@ -28,13 +30,20 @@ from toy import FSDP2, IN_DIM, ToyBlock, runner_config
 
 
 class UrlBackbone(BaseModule):
-    """Two ``ToyBlock``s from ``init_cfg`` Pretrained, or from its own ``load_checkpoint``."""
+    """Two ``ToyBlock``s from ``init_cfg`` Pretrained, from its own ``load_checkpoint``, or
+    loaded by its constructor (``built_by``: ``'load_checkpoint'`` or ``'torch.hub'``)."""
 
-    def __init__(self, checkpoint: str, own_loader: bool) -> None:
-        super().__init__(init_cfg=None if own_loader else dict(
+    def __init__(self, checkpoint: str, own_loader: bool, built_by: str = '') -> None:
+        super().__init__(init_cfg=None if own_loader or built_by else dict(
             type='Pretrained', checkpoint=checkpoint, prefix='backbone'))
         self.blocks = nn.ModuleList(ToyBlock(IN_DIM) for _ in range(2))
         self.checkpoint, self.own_loader = checkpoint, own_loader
+        if built_by == 'load_checkpoint':  # mmengine's loader, in the constructor
+            load_checkpoint(self, checkpoint, map_location='cpu', strict=False,
+                            revise_keys=[(r'^backbone\.', '')])
+        elif built_by == 'torch.hub':  # as timm's pretrained=True
+            state = torch.hub.load_state_dict_from_url(checkpoint, map_location='cpu')
+            self.load_state_dict({k[len('backbone.'):]: v for k, v in state['state_dict'].items()})
 
     def init_weights(self) -> None:
         if self.own_loader:  # as Swin backbones: mmengine's loader, called by the model
@@ -47,10 +56,10 @@ class UrlBackbone(BaseModule):
 @MODELS.register_module()
 class UrlPretrainedToy(BaseModel):
 
-    def __init__(self, checkpoint: str, own_loader: bool = False,
+    def __init__(self, checkpoint: str, own_loader: bool = False, built_by: str = '',
                  data_preprocessor=None) -> None:
         super().__init__(data_preprocessor=data_preprocessor)
-        self.backbone = UrlBackbone(checkpoint, own_loader)
+        self.backbone = UrlBackbone(checkpoint, own_loader, built_by)
         self.head = nn.Linear(IN_DIM, 3)
 
     def forward(self, inputs, data_samples=None, mode='tensor'):
@@ -95,12 +104,17 @@ def _two_ranks(root: str, url: str) -> dict:
             ('eager', dict(own_loader=False), FSDP2, {}),
             ('meta init', dict(own_loader=False), meta, {}),
             ('own load_checkpoint', dict(own_loader=True), FSDP2, {}),
+            ('constructor load_checkpoint', dict(built_by='load_checkpoint'), FSDP2, {}),
+            ('constructor torch.hub', dict(built_by='torch.hub'), FSDP2, {}),
+            ('switch, constructor torch.hub', dict(built_by='torch.hub'), FSDP2,
+             dict(allow_unsafe_checkpoints=True)),
             ('switch, eager', dict(own_loader=False), FSDP2, dict(allow_unsafe_checkpoints=True)),
             ('switch, meta init', dict(own_loader=False), meta,
              dict(allow_unsafe_checkpoints=True))):
         for file in ('benign', 'evil') if 'switch' not in how else ('evil', ):
             name = f'{how}-{file}'.replace(' ', '_').replace(',', '')
-            os.environ['TORCH_HOME'] = f'{root}/torch_home/{name}'  # torch.hub's download cache
+            # torch.hub's download cache, one per rank (torch.hub has no download barrier)
+            os.environ['TORCH_HOME'] = f"{root}/torch_home/{name}-{os.environ['RANK']}"
             out[f'{how}/{file}'] = _outcome(
                 name, root, dict(type='UrlPretrainedToy', checkpoint=f'{url}/{file}.pth', **model),
                 wrapper, **extra)
@@ -153,7 +167,8 @@ def runs(tmp_path_factory) -> list:
 
 # ---------------------------------------------------------------- distributed checks
 
-URL_PATHS = ('eager', 'meta init', 'own load_checkpoint')
+URL_PATHS = ('eager', 'meta init', 'own load_checkpoint', 'constructor load_checkpoint',
+             'constructor torch.hub')
 
 
 @pytest.mark.parametrize('how', URL_PATHS)
@@ -175,7 +190,8 @@ def test_a_weights_only_url_loads_on_both_ranks(runs, how):
             assert torch.equal(got['weights'][key], value), key
 
 
-@pytest.mark.parametrize('how', ('switch, eager', 'switch, meta init'))
+@pytest.mark.parametrize('how', ('switch, eager', 'switch, meta init',
+                                 'switch, constructor torch.hub'))
 def test_with_the_switch_a_url_pickle_loads_with_a_warning(runs, how):
     for out in runs['ranks']:
         got = out[f'{how}/evil']

@@ -8,11 +8,13 @@ The multi-rank runs that train them sharded are ``tests/dist/test_strategies.py`
 import copy
 
 import pytest
+import torch
 from mmengine.config import Config
 from mmengine.optim import OptimWrapper
 from torch import nn
 
 from mmfsdp import AmpOptimWrapper, FSDPRunner
+from mmfsdp.dist import current_device
 from mmfsdp.policies import build_wrap_policy, plan_units
 from mmfsdp.strategies import translate_strategy
 from mmfsdp.wrappers.builder import model_wrapper_config, resolve_wrapper
@@ -121,8 +123,11 @@ def test_mmpretrain_fsdp_strategy_is_fsdp2_with_the_size_based_policy():
     out = _translate(**cfg)
     assert out.model_wrapper_cfg == dict(
         type='mmfsdp.MMFullyShard', auto_wrap_policy=dict(type='size_based', min_num_params=1e7))
-    assert out.optim_wrapper == {} and out.checkpoint == {}  # AmpOptimWrapper: replaced as ever
-    assert _sources(out.lines) == ['strategy.type', 'strategy.model_wrapper.auto_wrap_policy']
+    assert out.optim_wrapper == {}  # AmpOptimWrapper: replaced as ever
+    # no state_dict_cfg: mmengine's default 'local', per-rank shards
+    assert out.checkpoint == dict(state_dict_type='sharded')
+    assert _sources(out.lines) == ['strategy.type', 'strategy.model_wrapper.auto_wrap_policy',
+                                   'strategy.state_dict_cfg']
     # the place FSDPRunner and the plan CLI resolve the wrapper takes the strategy
     wrapping = resolve_wrapper(model_wrapper_config(cfg))
     assert wrapping.cls.__name__ == 'MMFullyShard'
@@ -220,6 +225,128 @@ def test_deepspeed_bf16_stage2_and_stage0():
     assert plain.optim_wrapper == dict(type=OptimWrapper)
 
 
+@pytest.mark.parametrize('clipping', [0.0, 0])
+def test_deepspeed_gradient_clipping_zero_is_no_clipping(clipping):
+    # DeepSpeed's default is 0.0, meaning no clipping; max_norm=0 would zero every gradient
+    out = _translate(dict(type='DeepSpeedStrategy', gradient_clipping=clipping),
+                     optim_wrapper=dict(type='DeepSpeedOptimWrapper'))
+    assert 'clip_grad' not in out.optim_wrapper_cfg(dict(type='DeepSpeedOptimWrapper'))
+    assert f'strategy.gradient_clipping={clipping!r} → nothing to set' in out.log_block()
+    clipped = _translate(dict(type='DeepSpeedStrategy', gradient_clipping=1.5))
+    assert clipped.optim_wrapper['clip_grad'] == dict(max_norm=1.5)
+    with pytest.raises(ValueError, match=r'strategy.gradient_clipping=-1.0 .* or 0 for no'):
+        _translate(dict(type='DeepSpeedStrategy', gradient_clipping=-1.0))
+
+
+def test_fsdp_strategy_without_state_dict_cfg_saves_per_rank_shards():
+    # mmengine's FSDPStrategy defaults to state_dict_cfg='local': every rank saves its shards
+    out = _translate(dict(type='FSDPStrategy'))
+    assert out.checkpoint == dict(state_dict_type='sharded')
+    assert "strategy.state_dict_cfg → default_hooks.checkpoint.state_dict_type='sharded' " \
+        "(unset: mmengine's 'local', per-rank shards)" in out.lines
+    assert _translate(dict(type='FSDPStrategy', state_dict_cfg='full')).checkpoint == dict(
+        state_dict_type='full')
+    # the config's own checkpoint hook format stands where the strategy names none
+    own = _translate(dict(type='FSDPStrategy'), default_hooks=dict(checkpoint=dict(
+        type='CheckpointHook', state_dict_type='full')))
+    assert own.checkpoint == {}
+    assert own.default_hooks(dict(checkpoint=dict(type='CheckpointHook', state_dict_type='full'))
+                             )['checkpoint']['state_dict_type'] == 'full'
+
+
+def test_mmengine_state_dict_cfg_dict_form_is_taken():
+    # FSDPStrategy's docstring example, and its default state_dict_type without the key
+    full = _translate(dict(type='FSDPStrategy', state_dict_cfg=dict(
+        state_dict_type='FULL_STATE_DICT',
+        state_dict_config=dict(type='FullStateDictConfig', offload_to_cpu=True),
+        optim_state_dict_config=dict(type='FullOptimStateDictConfig', offload_to_cpu=True))))
+    assert full.checkpoint == dict(state_dict_type='full')
+    assert {'strategy.state_dict_cfg.state_dict_config',
+            'strategy.state_dict_cfg.optim_state_dict_config'} <= set(_sources(full.lines))
+    local = _translate(dict(type='FSDPStrategy', state_dict_cfg=dict(
+        state_dict_config=dict(type='LocalStateDictConfig'))))
+    assert local.checkpoint == dict(state_dict_type='sharded')
+
+
+@pytest.mark.parametrize('wrapper', ['MMFullyShard', 'MMFullyShardedDataParallel'])
+@pytest.mark.parametrize('cpu_offload, offloads', [
+    (dict(offload_params=False), False), (dict(offload_params=True), True), (False, False),
+    (True, True)])
+def test_model_wrapper_cpu_offload_means_the_same_under_fsdp1_and_fsdp2(
+        wrapper, cpu_offload, offloads):
+    strategy = dict(type='FSDPStrategy', model_wrapper=dict(type=wrapper, cpu_offload=cpu_offload))
+    wrapping = resolve_wrapper(model_wrapper_config(dict(strategy=strategy)))
+    assert wrapping.config.offloads_to_cpu is offloads
+
+
+def test_deepspeed_offload_keys_are_translated_logged_or_refused():
+    zero = dict(stage=3, offload_param=dict(device='cpu', pin_memory=False, buffer_count=5),
+                offload_optimizer=dict(device='cpu', pin_memory=False, ratio=1.0))
+    out = _translate(dict(type='DeepSpeedStrategy', zero_optimization=zero))
+    assert out.model_wrapper_cfg['offload'] == dict(cpu_offload=True, pin_memory=False)
+    sources = _sources(out.lines)
+    for key in ('offload_param', 'offload_param.pin_memory', 'offload_param.buffer_count',
+                'offload_optimizer', 'offload_optimizer.pin_memory', 'offload_optimizer.ratio'):
+        assert f'strategy.zero_optimization.{key}' in sources, key
+    # a partial optimizer offload trains differently placed state: refused
+    with pytest.raises(ValueError, match=r'offload_optimizer.ratio=0.3 .* whole optimizer state'):
+        _translate(dict(type='DeepSpeedStrategy', zero_optimization=dict(
+            stage=3, offload_optimizer=dict(device='cpu', ratio=0.3))))
+    with pytest.raises(ValueError, match='offload_param.pin_memory and strategy.zero_optimizat'
+                       'ion.offload_optimizer.pin_memory differ'):
+        _translate(dict(type='DeepSpeedStrategy', zero_optimization=dict(
+            stage=3, offload_param=dict(device='cpu', pin_memory=True),
+            offload_optimizer=dict(device='cpu', pin_memory=False))))
+    with pytest.raises(TypeError, match=r"offload_param: unknown key 'pinned_memory' \(did you "
+                       r"mean 'pin_memory'\?\)"):
+        _translate(dict(type='DeepSpeedStrategy', zero_optimization=dict(
+            stage=3, offload_param=dict(device='cpu', pinned_memory=True))))
+
+
+def test_activation_checkpointing_refusal_names_the_form_that_works():
+    strategy = dict(type='FSDPStrategy', activation_checkpointing=dict(check_fn='f'))
+    with pytest.raises(ValueError) as e:
+        _translate(strategy)
+    assert 'write strategy.model_wrapper.activation_checkpointing=dict(layer_cls=[...])' in \
+        str(e.value)
+    works = dict(type='FSDPStrategy', model_wrapper=dict(
+        activation_checkpointing=dict(layer_cls=['ToyBlock'])))
+    wrapping = resolve_wrapper(model_wrapper_config(dict(strategy=works)))
+    assert wrapping.config.activation_checkpointing.layer_cls == ('ToyBlock', )
+    # DeepSpeed's section configures deepspeed.checkpointing, which only the model calls
+    ds = _translate(dict(type='DeepSpeedStrategy', activation_checkpointing=dict(
+        partition_activations=True)))
+    assert 'strategy.activation_checkpointing' in _sources(ds.lines)
+    assert ds.model_wrapper_cfg == dict(type='mmfsdp.MMDistributedDataParallel')
+
+
+@pytest.mark.parametrize('kind, nones', [
+    ('FSDPStrategy', 'activation_checkpointing env_kwargs log_kwargs experiment_name '
+                     'auto_scale_lr sync_bn model_wrapper state_dict_cfg'),
+    ('DeepSpeedStrategy', 'config amp aio activation_checkpointing exclude_frozen_parameters '
+                          'zero_optimization gradient_clipping fp16 bf16 inputs_to_half '
+                          'train_micro_batch_size_per_gpu gradient_accumulation_steps '
+                          'env_kwargs log_kwargs experiment_name')])
+def test_keys_at_mmengines_none_default_are_unset(kind, nones):
+    out = _translate(dict(dict.fromkeys(nones.split()), type=kind))
+    bare = _translate(dict(type=kind))
+    assert (out.model_wrapper_cfg, out.optim_wrapper, out.checkpoint) == (
+        bare.model_wrapper_cfg, bare.optim_wrapper, bare.checkpoint)
+    assert "strategy.env_kwargs=None → nothing to set (mmengine's default, unset)" in out.lines
+
+
+def test_fsdp1_device_id_of_this_process_is_accepted():
+    # mmengine's FSDPStrategy passes device_id=LOCAL_RANK; on a CPU host it must be the CPU
+    here = current_device()
+    out = _translate(dict(type='FSDPStrategy', model_wrapper=dict(
+        type='MMFullyShardedDataParallel', device_id=here)))
+    assert 'device_id' not in out.model_wrapper_cfg
+    assert 'strategy.model_wrapper.device_id' in _sources(out.lines)
+    with pytest.raises(ValueError, match=r"strategy.model_wrapper.device_id=device\(type='meta'\)"
+                       f' .* this process trains on {here}'):
+        _translate(dict(type='FSDPStrategy', model_wrapper=dict(device_id=torch.device('meta'))))
+
+
 @pytest.mark.parametrize('cfg, error, words', [
     (dict(strategy=MMPRETRAIN_FSDP, model_wrapper_cfg=dict(type='mmfsdp.MMFullyShard')),
      ValueError, ['strategy and model_wrapper_cfg']),
@@ -228,7 +355,8 @@ def test_deepspeed_bf16_stage2_and_stage0():
     (dict(strategy=dict(MMPRETRAIN_FSDP, skip_init_weight=True)), TypeError,
      ["unknown key 'skip_init_weight'", "did you mean 'skip_init_weights'"]),
     (dict(strategy=dict(MMPRETRAIN_FSDP, activation_checkpointing=dict(check_fn='f'))),
-     ValueError, ['strategy.activation_checkpointing=', 'layer_cls']),
+     ValueError, ['strategy.activation_checkpointing=',
+                  'strategy.model_wrapper.activation_checkpointing=dict(layer_cls=[...])']),
     (dict(strategy=dict(MMPRETRAIN_FSDP, work_dir='w')), ValueError,
      ["strategy.work_dir='w'", 'config key work_dir']),
     (dict(strategy=dict(type='FSDPStrategy', model_wrapper=dict(param_init_fn=print))),
@@ -241,8 +369,8 @@ def test_deepspeed_bf16_stage2_and_stage0():
           default_hooks=dict(checkpoint=dict(type='CheckpointHook', state_dict_type='full'))),
      ValueError, ['state_dict_cfg and default_hooks.checkpoint.state_dict_type']),
     (dict(strategy=dict(type='FSDPStrategy', state_dict_cfg=dict(
-        state_dict_type='FULL_STATE_DICT', state_dict_config=dict(offload_to_cpu=True)))),
-     TypeError, ["strategy.state_dict_cfg: unknown key 'state_dict_config'"]),
+        state_dict_type='FULL_STATE_DICT', offload_to_cpu=True))),
+     TypeError, ["strategy.state_dict_cfg: unknown key 'offload_to_cpu'"]),
     (dict(strategy=dict(type='FSDPStrategy', state_dict_cfg='everything')), ValueError,
      ["strategy.state_dict_cfg: 'everything'", "'local'"]),
     (dict(optim_wrapper=dict(type='DeepSpeedOptimWrapper')), ValueError,

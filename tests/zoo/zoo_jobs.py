@@ -37,6 +37,11 @@ def write_config(tmp_path_factory, text: str) -> Path:
 
 
 def checkpoint_weights(path: Path) -> dict:
-    """The floating-point weights of a checkpoint the stock tools wrote (read unrestricted)."""
-    state = torch.load(path, map_location='cpu', weights_only=False)['state_dict']
+    """The floating-point weights of a checkpoint the stock tools wrote (read unrestricted):
+    a full file, or a sharded directory (``FSDPStrategy``'s default, per-rank shards)."""
+    if path.is_dir():
+        from mmfsdp.consolidate import consolidate
+        state = consolidate(str(path), f'{path}.full', allow_unsafe=True)['state_dict']
+    else:
+        state = torch.load(path, map_location='cpu', weights_only=False)['state_dict']
     return {k: v.float() for k, v in state.items() if v.is_floating_point()}
