@@ -46,7 +46,7 @@ from .optim import (
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .strategies import translate_strategy
-from .wrappers.base import Layout
+from .wrappers.base import Layout, ParallelWrapper
 from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
 __all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'WrapState',
@@ -270,6 +270,19 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                 raise
             self.wait_for_checkpoint()
             return model
+
+    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
+        """mmengine's, with the model callable from a hook as under DDP.
+
+        A hook may call the unwrapped model's own methods outside the training
+        step (XTuner's ``EvaluateChatHook`` calls ``model.generate``): a sharded
+        wrapper gathers the parameters its units do not at the first such call
+        (:meth:`~mmfsdp.wrappers.base.ParallelWrapper.outside_step`).
+        """
+        outside = (self.model.outside_step() if isinstance(self.model, ParallelWrapper)
+                   else contextlib.nullcontext())
+        with outside:
+            super().call_hook(fn_name, **kwargs)
 
     def init_model_weights(self) -> None:
         """The stock initialise-and-broadcast, unless the wrapper initialises or broadcasts.

@@ -380,3 +380,13 @@ def on_recompile_limit(callback: Callable[[str], None]) -> None:
         logger.addHandler(handler)
     if callback not in handler.callbacks:
         handler.callbacks.append(callback)
+
+
+__all__ += ['fsdp2_lazy_init']
+
+
+def fsdp2_lazy_init(module: nn.Module) -> None:
+    """Make ``module`` (an FSDP2 root) the root of its units, as its first forward would."""
+    # why: FSDP2 makes the first module to run forward the root; a hook that calls a unit
+    # (model.generate before the first training step) would otherwise become one
+    module._get_fsdp_state()._lazy_init()

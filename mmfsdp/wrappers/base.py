@@ -462,6 +462,44 @@ class ParallelWrapper(nn.Module):
         finally:
             setattr(self, flag, previous)
 
+    @contextlib.contextmanager
+    def outside_step(self) -> Iterator[None]:
+        """Inside, the model's own methods (``generate``) and its submodules run as under DDP.
+
+        FSDPRunner enters it around every hook call: mmengine's hooks may call the
+        unwrapped model outside the training step (XTuner's ``EvaluateChatHook``
+        calls ``model.generate``). Data parallelism needs nothing; a sharded
+        wrapper gathers what its units do not gather themselves (:meth:`gather_root`)
+        at the first forward of one of the model's modules, and shards it again at
+        the end. Every rank must call the model alike, as in the training step.
+        """
+        if not self.shards_parameters:
+            yield
+            return
+        members = {id(m) for m in self.module.modules()}
+        stack = contextlib.ExitStack()
+
+        def gather(module: nn.Module, args: Any) -> None:
+            if module is self:  # the wrapper's own forward gathers what it runs
+                handle.remove()
+            elif id(module) in members:
+                handle.remove()
+                self.gather_root(stack)
+
+        handle = nn.modules.module.register_module_forward_pre_hook(gather)
+        with stack:
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    #: Whether parameters are sharded: a forward outside the step needs :meth:`gather_root`.
+    shards_parameters: ClassVar[bool] = False
+
+    def gather_root(self, stack: contextlib.ExitStack) -> None:
+        """Gather the root's parameters (no unit does) until ``stack`` closes; collective."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their norm over all ranks; return it as a plain tensor."""

@@ -185,6 +185,12 @@ class MMFullyShardedDataParallel(FullyShardedDataParallel, ParallelWrapper):
     CONFIG = FSDPConfig
     no_sync = ParallelWrapper.no_sync  # model_wrapper_cfg.accumulation, not FSDP1's own
 
+    shards_parameters = True
+
+    def gather_root(self, stack: contextlib.ExitStack) -> None:
+        """Gather the root's own flat parameter (units gather theirs in their forward)."""
+        stack.enter_context(FullyShardedDataParallel.summon_full_params(self, recurse=False))
+
     @classmethod
     def wrap(cls, module: nn.Module, config: FSDPConfig, layout: Layout) -> nn.Module:
         """The wrapper of ``config``; for a model with its own steps, one FSDP1 root per child."""

@@ -5,6 +5,7 @@ The options FSDP2 alone takes (``reshard_after_forward``, ``mesh``,
 here, beside :class:`FullyShardConfig`; an FSDP1 ``sharding_strategy`` is
 translated, and FSDP1-only options are refused with their FSDP2 form.
 """
+import contextlib
 import functools
 import logging
 import os
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import (
 
 from .. import options
 from ..agreement import UsageProbe, check_same_parameters_used
-from ..compat import HYBRID_SHARD_ZERO2
+from ..compat import HYBRID_SHARD_ZERO2, fsdp2_lazy_init
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize
 from ..options import Accumulation
@@ -525,6 +526,15 @@ class MMFullyShard(ModelHolder):
         # across micro-steps too.
         self._keep_gathered = (config.accumulation is Accumulation.UNSHARDED
                                and config.reshard_after_forward is False)
+    shards_parameters = True
+
+    def gather_root(self, stack: contextlib.ExitStack) -> None:
+        """Gather each root's own parameters (units gather theirs in their forward)."""
+        for root in self._roots:
+            fsdp2_lazy_init(root)  # a unit called first would make itself the root
+            root.unshard()
+            stack.callback(root.reshard)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The sharded model's forward; the coming backward reduces unless inside no_sync."""
         for root in self._roots:

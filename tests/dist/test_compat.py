@@ -112,3 +112,35 @@ def test_full_precision_gathers_and_computes_in_fp32_in_eval_and_only_inside():
                 assert run['max_diff'] < 1e-6, f'{name}: {run}'
             assert train['weights'] == ['torch.bfloat16'] and outside == 'torch.bfloat16', \
                 f'{name}: {train}, {outside} (full precision outlived the context)'
+
+
+def _lazy_init_then_a_unit():
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from harness import COLLECTIVE_TIMEOUT_S
+    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    fully_shard(model[1])
+    fully_shard(model)
+    compat.fsdp2_lazy_init(model)
+    model.unshard()
+    with torch.no_grad():
+        unit_first = model[1](model[0](torch.randn(3, 4)))  # a unit called outside the root
+    model.reshard()
+    return dict(unit_first=tuple(unit_first.shape), root_output=tuple(model(x).shape))
+
+
+def test_fsdp2_lazy_init_makes_the_root_the_root_before_its_first_forward():
+    """``compat.fsdp2_lazy_init``: after it, a unit called before the root's first forward
+    runs as a unit, and the root's forward still works (without it: 'FSDP state has already
+    been lazily initialized ... requires running forward through the root module first')."""
+    from harness import run_distributed
+    for rank in run_distributed(_lazy_init_then_a_unit, 2):
+        assert rank == dict(unit_first=(3, 8), root_output=(3, 2)), \
+            f'{rank} (mmfsdp.compat.fsdp2_lazy_init no longer initialises the root)'
