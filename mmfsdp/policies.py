@@ -19,7 +19,7 @@ in configs::
     auto_wrap_policy=dict(type='transformer', layer_cls=['TransformerBlock'])
     auto_wrap_policy=[dict(type='transformer', layer_cls=['Block']),   # any of
                       dict(type='size_based', min_num_params=100_000)]
-    auto_wrap_policy='auto'      # the model's repeated blocks (ModelIndex.repeated_blocks)
+    auto_wrap_policy='auto'      # the model's blocks (ModelIndex.auto_blocks)
 
 Users register their own predicate, whose extra arguments become config keys::
 
@@ -123,6 +123,35 @@ class ModelIndex:
                 units += blocks[cls]
         return tuple(chosen)
 
+    @functools.cached_property
+    def declared_blocks(self) -> Tuple[Tuple[Type[nn.Module], ...], str]:
+        """The block classes the model's own classes declare, and who declares them.
+
+        A Hugging Face ``transformers`` model names the modules that must not be
+        split across devices in ``_no_split_modules`` (its decoder layers), the
+        blocks accelerate and DeepSpeed keep whole. Wrapped by peft, the decoder
+        layers hold only LoRA ``Linear`` layers: by structure alone they would look
+        like stages of those.
+        """
+        declared, owner = [], ''
+        for module in self.modules.values():  # outermost first
+            names = getattr(type(module), '_no_split_modules', None) or ()
+            found = [self.classes[n] for n in names if isinstance(n, str) and n in self.classes]
+            owner = owner or (type(module).__name__ if found else '')
+            declared += [c for c in found if c not in declared]
+        return tuple(declared), owner
+
+    @property
+    def auto_blocks(self) -> Tuple[Tuple[Type[nn.Module], ...], str]:
+        """What ``'auto'`` names, and why.
+
+        :attr:`declared_blocks` where the model declares any, else its :attr:`repeated_blocks`.
+        """
+        declared, owner = self.declared_blocks
+        if declared:
+            return declared, f'the blocks {owner} declares (_no_split_modules)'
+        return self.repeated_blocks, 'the repeated blocks'
+
     @classmethod
     def of(cls, model: Union[nn.Module, 'ModelIndex']) -> 'ModelIndex':
         """``model``'s index (``model`` itself if it is one)."""
@@ -132,13 +161,13 @@ class ModelIndex:
         """Module classes, or names of the classes (or their bases) of the model's modules.
 
         ``'_BatchNorm'`` covers ``BatchNorm2d`` and ``SyncBatchNorm``; ``'auto'``
-        the :attr:`repeated_blocks`. An unknown name is a ``ValueError`` with the
+        the :attr:`auto_blocks`. An unknown name is a ``ValueError`` with the
         nearest names.
         """
         classes = []
         for item in one_or_many(value or ()):
             if item == 'auto' and 'auto' not in self.classes:
-                classes += self.repeated_blocks
+                classes += self.auto_blocks[0]
             elif isinstance(item, type) and issubclass(item, nn.Module):
                 classes.append(item)
             elif isinstance(item, str) and item in self.classes:
@@ -218,9 +247,15 @@ def module_types(module: nn.Module, recurse: bool, nonwrapped_numel: int,
 
 @FSDP_WRAP_POLICIES.register_module()
 @_resolves_options(lambda index, key, module_cls='auto': dict(
-    module_cls=index.classes_of(module_cls, f'{key}.module_cls')))
-def auto(module: nn.Module, recurse: bool, nonwrapped_numel: int, module_cls: Any = 'auto') -> bool:
-    """Make a unit of every instance of the model's repeated blocks (none if nothing repeats)."""
+    module_cls=index.classes_of(module_cls, f'{key}.module_cls'),
+    chosen=index.auto_blocks[1] if module_cls == 'auto' else 'the classes named'))
+def auto(module: nn.Module, recurse: bool, nonwrapped_numel: int, module_cls: Any = 'auto',
+         chosen: str = '') -> bool:
+    """Make a unit of every instance of the model's blocks (none if nothing repeats).
+
+    :attr:`ModelIndex.auto_blocks`: those its classes declare, else its repeated
+    blocks; ``chosen`` says which, for the plan's log.
+    """
     return module_types(module, recurse, nonwrapped_numel, module_cls=module_cls)
 
 

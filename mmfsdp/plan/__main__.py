@@ -156,8 +156,9 @@ def _run(args: argparse.Namespace, budget: Optional[int]) -> Tuple[str, Any]:
     if not layers:
         layers, chosen = _unit_classes(model, units), "the wrap policy's units"
     if not layers:
-        layers = [c.__name__ for c in ModelIndex(model).repeated_blocks]
-        chosen = "the model's repeated blocks, layer_cls='auto'"
+        blocks, why = ModelIndex(model).auto_blocks
+        layers = [c.__name__ for c in blocks]
+        chosen = f"the model's {why.removeprefix('the ')}, layer_cls='auto'"
     failed = None
     with DefaultScope.overwrite_default_scope(scope):
         amp = autocast_dtype(optim_wrapper)  # once: what optim_context autocasts to

@@ -110,7 +110,7 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
         held = collections.Counter()
         for u in named:
             held[u.cls] += u.numel
-        lines.append(("auto_wrap_policy='auto' chose the repeated blocks: " if spec.auto_units
+        lines.append((f"auto_wrap_policy='auto' chose {spec.auto_units}: " if spec.auto_units
                       else 'units: ') + ', '.join(
             f'{sum(u.cls == cls for u in named)} x {cls} ({n / plan.numel:.0%} of the parameters)'
             for cls, n in held.items()))

@@ -92,8 +92,8 @@ class ShardingSpec:
     #: Units (also in :attr:`units`) that compute in fp32 under mixed precision
     #: (``mixed_precision.fp32_modules``): gathered in their parameters' dtype.
     fp32_units: Tuple[str, ...] = ()
-    #: Whether ``auto_wrap_policy='auto'`` chose the units (the model's repeated blocks).
-    auto_units: bool = False
+    #: Why ``auto_wrap_policy='auto'`` chose the units (``''``: it did not choose them).
+    auto_units: str = ''
 
 
 def sharding_spec(config: WrapperConfig, layout: Layout, world_size: int) -> ShardingSpec:
@@ -109,7 +109,8 @@ def sharding_spec(config: WrapperConfig, layout: Layout, world_size: int) -> Sha
         units=units_children_first(layout.units, layout.fp32_modules),
         fp32_units=layout.fp32_modules, compute_dtype=config.compute_dtype,
         checkpoint_layers=layout.checkpoint_layers,
-        auto_units=getattr(layout.policy, 'func', None) is policies.auto,
+        auto_units=(layout.policy.keywords['chosen']
+                    if getattr(layout.policy, 'func', None) is policies.auto else ''),
         unsharded_accumulation=config.accumulation is Accumulation.UNSHARDED)
     if isinstance(config, FullyShardConfig):
         replicate, shard = config.mesh.sizes(world_size, local)

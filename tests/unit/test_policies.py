@@ -224,3 +224,46 @@ def test_the_plan_log_says_which_classes_auto_chose_and_their_share():
     hand = format_plan(plan_for(MMFullyShard, dict(auto_wrap_policy=dict(
         type='transformer', layer_cls=['TransformerBlock'])), model, 2))
     assert 'units: 4 x TransformerBlock (85% of the parameters)' in hand
+
+
+class _LoraLinear(nn.Module):
+    """peft's LoRA ``Linear`` in shape: the frozen layer as ``base_layer``, two small adapters."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({'default': nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({'default': nn.Linear(rank, base.out_features, bias=False)})
+
+
+def _tiny_llama(lora: bool) -> nn.Module:
+    transformers = pytest.importorskip('transformers', reason='pip install -e .[tests]')
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2))
+    if lora:  # every Linear of the decoder layers, as XTuner's find_all_linear_names targets
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(parent, name, _LoraLinear(child))
+    return model
+
+
+@pytest.mark.parametrize('lora', [False, True], ids=['full', 'lora'])
+def test_auto_chooses_the_decoder_layers_a_transformers_model_declares(lora):
+    model = _tiny_llama(lora)
+    index = ModelIndex(model)
+    if lora:  # by structure alone the decoder layers look like stages of LoRA Linears
+        assert [c.__name__ for c in index.repeated_blocks] == ['_LoraLinear']
+    blocks, why = index.auto_blocks
+    assert [c.__name__ for c in blocks] == ['LlamaDecoderLayer']
+    assert why == 'the blocks LlamaForCausalLM declares (_no_split_modules)'
+    hand = dict(type='transformer', layer_cls=['LlamaDecoderLayer'])
+    assert _units('auto', model) == _units(hand, model) == [f'model.layers.{i}' for i in range(3)]
+    declared = "auto_wrap_policy='auto' chose the blocks LlamaForCausalLM declares " \
+        '(_no_split_modules)'
+    plan = format_plan(plan_for(MMFullyShard, dict(auto_wrap_policy='auto'), model, 8))
+    assert f'{declared}: 3 x LlamaDecoderLayer' in plan
+    assert plan.replace(declared, 'units') == format_plan(
+        plan_for(MMFullyShard, dict(auto_wrap_policy=hand), model, 8))
