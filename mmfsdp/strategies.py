@@ -3,9 +3,11 @@
 OpenMMLab's large-model configs (mmpretrain's ViT-L/H FSDP and DeepSpeed benchmarks,
 mmdet's ``projects/example_largemodel``) are written for mmengine's ``FlexibleRunner`` with
 ``strategy=dict(type='FSDPStrategy' | 'DeepSpeedStrategy', ...)``, a key the stock
-``Runner`` ignores. :func:`translate_strategy` turns it, once and without changing the
-config, into mmfsdp's keys (``model_wrapper_cfg``, keys of ``optim_wrapper``, the checkpoint
-hook's ``state_dict_type``), with one log line per strategy key. The tables below say which
+``Runner`` ignores. XTuner's DeepSpeed form (its subclass of mmengine's ``DeepSpeedStrategy``,
+a DeepSpeed JSON as ``config`` with ``"auto"`` values) is read with DeepSpeed's meaning.
+:func:`translate_strategy` turns it, once and without changing the config, into mmfsdp's
+keys (``model_wrapper_cfg``, keys of ``optim_wrapper``, the checkpoint hook's
+``state_dict_type``), with one log line per strategy key. The tables below say which
 keys translate, which are accepted with nothing to set (logged with why) and which are
 refused (naming the key, its value and what to write instead), on every rank before any
 collective. Values go on as written: the wrapper's and the optim wrapper's resolvers check
