@@ -6,11 +6,15 @@ mmdetection's ``projects/example_largemodel/dino-5scale_swin-l_{fsdp,deepspeed}_
 The multi-rank runs that train them sharded are ``tests/dist/test_strategies.py``.
 """
 import copy
+import json
 
 import pytest
 import torch
+from mmengine._strategy import DeepSpeedStrategy as MMEngineDeepSpeedStrategy
 from mmengine.config import Config
+from mmengine.config.lazy import LazyObject
 from mmengine.optim import OptimWrapper
+from mmengine.registry import RUNNERS
 from torch import nn
 
 from mmfsdp import AmpOptimWrapper, FSDPRunner
@@ -397,8 +401,10 @@ def test_fsdp1_device_id_of_this_process_is_accepted():
      ['train_micro_batch_size_per_gpu=8', 'batch_size=4']),
     (dict(strategy=dict(type='DeepSpeedStrategy', config='ds.json')), ValueError,
      ["strategy.config='ds.json'"]),
-    (dict(strategy=dict(type='DeepSpeedStrategy'), optim_wrapper=dict(type='OptimWrapper')),
-     ValueError, ["optim_wrapper.type='OptimWrapper'", 'DeepSpeedOptimWrapper']),
+    (dict(strategy=dict(type='DeepSpeedStrategy', fp16=dict(enabled=True)),
+          optim_wrapper=dict(type='OptimWrapper')),
+     ValueError, ['strategy.fp16.enabled=True', "optim_wrapper.type='OptimWrapper'",
+                  "enabled='auto'"]),
 ])
 def test_refused_at_start_up_naming_the_key(cfg, error, words):
     with pytest.raises(error) as e:
@@ -433,3 +439,196 @@ def test_one_process_runner_builds_the_translated_optim_wrapper(tmp_path):
     log = next(tmp_path.glob('*/*.log')).read_text()
     assert log.count("runs as mmfsdp's keys") == 1
     assert 'strategy.zero_optimization.overlap_comm=True → nothing to set' in log
+
+
+# XTuner 0.2.0's shipped DeepSpeed JSONs (xtuner/configs/deepspeed/), their contents as data.
+XTUNER_ZERO2 = {
+    'gradient_accumulation_steps': 'auto', 'train_micro_batch_size_per_gpu': 'auto',
+    'gradient_clipping': 'auto', 'zero_allow_untested_optimizer': True,
+    'zero_force_ds_cpu_optimizer': False,
+    'zero_optimization': {'stage': 2, 'overlap_comm': True},
+    'fp16': {'enabled': 'auto', 'initial_scale_power': 16}, 'bf16': {'enabled': 'auto'}}
+XTUNER_ZERO3_OFFLOAD = {
+    'gradient_accumulation_steps': 'auto', 'train_micro_batch_size_per_gpu': 'auto',
+    'gradient_clipping': 'auto', 'zero_allow_untested_optimizer': True,
+    'zero_force_ds_cpu_optimizer': False,
+    'zero_optimization': {
+        'stage': 3, 'contiguous_gradients': False, 'allgather_bucket_size': 3e8,
+        'reduce_bucket_size': 3e8, 'overlap_comm': True, 'reduce_scatter': True,
+        'offload_optimizer': {'device': 'cpu', 'pin_memory': True},
+        'offload_param': {'device': 'cpu', 'pin_memory': True},
+        'stage3_gather_16bit_weights_on_model_save': True},
+    'low_cpu_mem_usage': False,
+    'fp16': {'enabled': True, 'initial_scale_power': 16}}
+# the optim_wrapper of XTuner's LoRA configs (e.g. internlm2_chat_7b_qlora_alpaca_e3.py)
+XTUNER_OPTIM = dict(type='AmpOptimWrapper', optimizer=dict(type='AdamW', lr=2e-4, betas=(
+    0.9, 0.999), weight_decay=0), clip_grad=dict(max_norm=1, error_if_nonfinite=False),
+    accumulative_counts=16, loss_scale='dynamic', dtype='float16')
+
+
+class DeepSpeedStrategy(MMEngineDeepSpeedStrategy):
+    """Stands for XTuner's ``xtuner.engine.DeepSpeedStrategy``, a subclass of mmengine's."""
+
+
+DeepSpeedStrategy.__module__ = 'xtuner.engine._strategy.deepspeed'
+
+
+def _xtuner_deepspeed(config, batch_size=1, **cfg):
+    """The config as ``xtuner train CONFIG --deepspeed NAME`` leaves it (its tools/train.py):
+    accumulation, micro batch and clipping written from the config, ``'auto'`` dtypes
+    resolved (on a bf16 GPU for ZeRO-2), the optim wrapper replaced."""
+    return dict(cfg, train_dataloader=dict(batch_size=batch_size), strategy=dict(
+        type=DeepSpeedStrategy, config=config, gradient_accumulation_steps=16,
+        train_micro_batch_size_per_gpu=batch_size, gradient_clipping=1,
+        exclude_frozen_parameters=True, sequence_parallel_size=1),
+        optim_wrapper=dict(type='DeepSpeedOptimWrapper', optimizer=XTUNER_OPTIM['optimizer']))
+
+
+def test_xtuner_deepspeed_zero2_as_its_train_cli_builds_it():
+    config = dict(XTUNER_ZERO2, fp16=dict(enabled=False, initial_scale_power=16),
+                  bf16=dict(enabled=True))
+    cfg = _xtuner_deepspeed(config)
+    out = _translate(**cfg)
+    assert out.model_wrapper_cfg == dict(type='mmfsdp.MMFullyShard',
+                                         reshard_after_forward=False, auto_wrap_policy='auto')
+    # the strategy's own keywords replace the JSON's 'auto', as mmengine merges them
+    assert out.optim_wrapper_cfg(cfg['optim_wrapper']) == dict(
+        type=AmpOptimWrapper, optimizer=XTUNER_OPTIM['optimizer'], dtype='bfloat16',
+        loss_scale=dict(enabled=False), clip_grad=dict(max_norm=1), accumulative_counts=16)
+    assert out.lines[0] == 'strategy.type=xtuner.engine._strategy.deepspeed.DeepSpeedStrategy ' \
+        "→ read as mmengine's DeepSpeedStrategy (its keys keep their meaning)"
+    assert 'strategy.gradient_accumulation_steps, strategy.train_micro_batch_size_per_gpu, ' \
+        "strategy.gradient_clipping replace the config's" in out.lines[1]
+    assert 'strategy.sequence_parallel_size=1 → nothing to set (no sequence parallelism' in \
+        out.log_block()
+    for key in ('zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
+                'exclude_frozen_parameters', 'zero_optimization.overlap_comm'):
+        assert f'strategy.{key}' in _sources(out.lines), key
+
+
+def test_xtuner_deepspeed_zero3_offload_json_file(tmp_path):
+    path = tmp_path / 'deepspeed_zero3_offload.json'
+    path.write_text(json.dumps(XTUNER_ZERO3_OFFLOAD))
+    cfg = _xtuner_deepspeed(str(path))
+    out = _translate(**cfg)
+    assert out.model_wrapper_cfg == dict(
+        type='mmfsdp.MMFullyShard', reshard_after_forward=True, auto_wrap_policy='auto',
+        offload=dict(cpu_offload=True, pin_memory=True))
+    assert out.optim_wrapper['dtype'] == 'float16'
+    assert out.optim_wrapper['loss_scale'] == dict(init_scale=2.0**16, growth_interval=1000)
+    for key in ('zero_optimization.stage3_gather_16bit_weights_on_model_save',
+                'low_cpu_mem_usage', 'zero_optimization.reduce_bucket_size'):
+        assert f'strategy.{key}' in _sources(out.lines), key
+
+
+def test_deepspeed_json_auto_takes_the_configs_own_optim_wrapper(tmp_path):
+    # xtuner train CONFIG --cfg-options runner_type=mmfsdp.FSDPRunner
+    #     strategy.type=DeepSpeedStrategy strategy.config=deepspeed_zero2.json
+    path = tmp_path / 'deepspeed_zero2.json'
+    path.write_text(json.dumps(XTUNER_ZERO2))
+    cfg = Config(dict(optim_wrapper=XTUNER_OPTIM, train_dataloader=dict(batch_size=1)))
+    cfg.merge_from_dict({'runner_type': 'mmfsdp.FSDPRunner', 'strategy.type': 'DeepSpeedStrategy',
+                         'strategy.config': str(path)})
+    out = translate_strategy(cfg)
+    assert out.model_wrapper_cfg['reshard_after_forward'] is False
+    assert out.optim_wrapper == {}  # the config's AmpOptimWrapper, clip_grad, accumulation
+    block = out.log_block()
+    for line in ("strategy.gradient_accumulation_steps='auto' → nothing to set (the config's "
+                 'optim_wrapper.accumulative_counts=16 stands)',
+                 "strategy.gradient_clipping='auto' → nothing to set (the config's optim_wrapper"
+                 ".clip_grad={'max_norm': 1, 'error_if_nonfinite': False} stands)",
+                 "strategy.fp16.enabled='auto' → nothing to set (the config's optim_wrapper.type"
+                 "='AmpOptimWrapper', dtype='float16' stands)",
+                 "strategy.train_micro_batch_size_per_gpu='auto' → nothing to set"):
+        assert line in block, line
+    assert {'strategy.bf16.enabled', 'strategy.fp16.initial_scale_power',
+            'strategy.zero_allow_untested_optimizer'} <= set(_sources(out.lines))
+    # ZeRO-3's JSON says fp16: a bf16 optim wrapper trains otherwise, refused naming both
+    path.write_text(json.dumps(XTUNER_ZERO3_OFFLOAD))
+    with pytest.raises(ValueError, match=r"strategy.fp16.enabled=True and optim_wrapper.type="
+                       r"'AmpOptimWrapper', dtype='bfloat16' train in different precisions"):
+        translate_strategy(dict(cfg, optim_wrapper=dict(XTUNER_OPTIM, dtype='bfloat16')))
+
+
+@pytest.mark.parametrize('kind', [
+    DeepSpeedStrategy, 'xtuner.engine.DeepSpeedStrategy', 'mmengine.DeepSpeedStrategy',
+    MMEngineDeepSpeedStrategy, 'DeepSpeedStrategy'])
+def test_xtuner_and_mmengine_strategy_types_are_mmengines(kind):
+    out = _translate(dict(type=kind, zero_optimization=dict(stage=3)))
+    assert out.model_wrapper_cfg['reshard_after_forward'] is True
+    named = kind not in (MMEngineDeepSpeedStrategy, 'DeepSpeedStrategy')
+    assert (_sources(out.lines)[0] == 'strategy.type') == named
+
+
+def test_a_config_lazy_strategy_class_is_built_and_read():
+    # XTuner's --deepspeed writes type=LazyObject('xtuner.engine', 'DeepSpeedStrategy'):
+    # the config builds it when read; here mmengine's own module stands for XTuner's
+    cfg = Config(dict(strategy=dict(type=LazyObject('mmengine._strategy', 'DeepSpeedStrategy'),
+                                    config=dict(zero_optimization=dict(stage=3)))))
+    assert translate_strategy(cfg).model_wrapper_cfg['reshard_after_forward'] is True
+
+
+@pytest.mark.parametrize('strategy, optim, words', [
+    (dict(sequence_parallel_size=2), None, ['strategy.sequence_parallel_size=2',
+                                            'no sequence parallelism', 'write 1']),
+    (dict(config=XTUNER_ZERO2), None, ["strategy.fp16.enabled='auto'",
+                                       'DeepSpeedOptimWrapper names none']),
+    (dict(config=dict(optimizer=dict(type='Adam', params=dict(lr=1e-3)))), None,
+     ['strategy.optimizer=', 'write optim_wrapper.optimizer']),
+    (dict(config=dict(scheduler=dict(type='WarmupLR'))), None,
+     ['strategy.scheduler=', 'write param_scheduler']),
+    (dict(config=dict(train_batch_size=64), train_micro_batch_size_per_gpu=2), None,
+     ['strategy.train_batch_size=64', 'batch_size=2 x accumulation 1 x 1 rank(s)']),
+    (dict(config=dict(train_batch_size=4)), dict(type='DeepSpeedOptimWrapper',
+                                                 accumulative_counts=3), None),
+    (dict(config=dict(zero_allow_untested_optimiser=True)), None,
+     ["strategy.config: unknown key 'zero_allow_untested_optimiser'",
+      "did you mean 'zero_allow_untested_optimizer'"]),
+    (dict(config='deepspeed_zero2'), None, ["strategy.config='deepspeed_zero2': cannot read",
+                                            'xtuner/configs/deepspeed/']),
+    (dict(config=dict(gradient_clipping='always')), None, ["strategy.gradient_clipping='always'",
+                                                           "'auto'"]),
+])
+def test_deepspeed_config_refusals_name_the_key(strategy, optim, words):
+    cfg = dict(strategy=dict(strategy, type='DeepSpeedStrategy'),
+               train_dataloader=dict(batch_size=2))
+    if optim:
+        cfg['optim_wrapper'] = optim
+    if words is None:  # train_batch_size=4 with accumulative_counts=3: not 2 x 3 x 1
+        words = ['strategy.train_batch_size=4', 'accumulation 3']
+    with pytest.raises((ValueError, TypeError)) as e:
+        translate_strategy(cfg)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_deepspeed_train_batch_size_equal_to_the_configs_is_logged(monkeypatch):
+    # the world size as the launcher names it before the process group starts
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    out = _translate(dict(type='DeepSpeedStrategy', config=dict(
+        train_batch_size=12, gradient_accumulation_steps=3)), train_dataloader=dict(batch_size=2),
+        launcher='pytorch')
+    assert out.optim_wrapper['accumulative_counts'] == 3
+    assert 'strategy.train_batch_size=12 → nothing to set (train_dataloader.batch_size=2 x ' \
+        'accumulation 3 x 2 rank(s))' in out.lines
+
+
+def test_xtuner_cfg_options_line_builds_fsdprunner_with_the_configs_optim_wrapper(tmp_path):
+    # what XTuner's tools/train.py does without --deepspeed: Config.fromfile, merge
+    # --cfg-options, RUNNERS.build(cfg) by runner_type
+    path = tmp_path / 'deepspeed_zero2.json'
+    path.write_text(json.dumps(XTUNER_ZERO2))
+    cfg = Config(runner_config('xtuner', str(tmp_path), batch_size=4, launcher='none',
+                               max_iters=2, optim_wrapper=dict(
+                                   type='AmpOptimWrapper', dtype='float16', loss_scale='dynamic',
+                                   optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2,
+                                   clip_grad=dict(max_norm=1.0))))
+    cfg.merge_from_dict({'runner_type': 'mmfsdp.FSDPRunner', 'strategy.type': 'DeepSpeedStrategy',
+                         'strategy.config': str(path), 'log_level': 'INFO'})
+    runner = RUNNERS.build(cfg)
+    runner.train()
+    assert type(runner) is FSDPRunner and type(runner.optim_wrapper) is AmpOptimWrapper
+    assert runner.optim_wrapper._accumulative_counts == 2
+    assert runner.optim_wrapper.clip_grad_kwargs == dict(max_norm=1.0)
+    log = next(tmp_path.glob('*/*.log')).read_text()
+    assert "strategy.gradient_accumulation_steps='auto' → nothing to set" in log
