@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+from mmengine.dataset import DefaultSampler
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.registry import FUNCTIONS
@@ -46,7 +47,7 @@ from .optim import (
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .strategies import translate_strategy
-from .wrappers.base import Layout
+from .wrappers.base import Layout, WrapperConfig
 from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
 __all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'WrapState',
@@ -125,6 +126,16 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         as a keyword; here the function is looked up in that scope instead.
         """
         return Runner.build_dataloader(without_collate_scope(dataloader), seed, diff_rank_seed)
+
+    def build_val_loop(self, loop: Any) -> Any:
+        """The stock loop, refused where its ranks would evaluate unequal numbers of batches."""
+        return check_equal_batches(super().build_val_loop(loop), 'val_dataloader',
+                                   self._wrap_state.wrapping.config)
+
+    def build_test_loop(self, loop: Any) -> Any:
+        """The stock loop, refused as :meth:`build_val_loop`."""
+        return check_equal_batches(super().build_test_loop(loop), 'test_dataloader',
+                                   self._wrap_state.wrapping.config)
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
         """The stock build; mmengine's ``AmpOptimWrapper`` becomes ``mmfsdp.AmpOptimWrapper``.
@@ -228,6 +239,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                     ' averages them across ranks')
             else:
                 model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
+        state.wrapped_for_evaluation = not (state.preconditions.in_train or state.meta_init)
         resumed = self._take_optimizer_state()
         self.model = state.wrapping.build(model, state.layout, current_device(),
                                           sync_module_states=state.staged)
@@ -256,8 +268,17 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         A checkpoint still written in the background is published at the end
         (its write error raised on every rank); if training fails, rank 0
         publishes it alone if its write completed on every rank
-        (:meth:`settle_checkpoint`: no collective after a failure).
+        (:meth:`settle_checkpoint`: no collective after a failure). After
+        ``val()`` / ``test()`` sharded the model it is refused (:class:`LifecycleError`).
         """
+        if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model):
+            raise LifecycleError(
+                f'runner.train() after runner.val() / runner.test() on one FSDPRunner: the '
+                f'evaluation sharded the model ({type(self.model).__name__}), and train() '
+                "initialises the weights (the model's init_weights, then rank 0's broadcast) on "
+                'the whole model before sharding it, which a sharded model no longer is. Train '
+                'a new runner (FSDPRunner.from_cfg(cfg).train()); on this one, evaluate after '
+                'train() (val() / test(), or train_cfg.val_interval)')
         with self._wrap_state.preconditions.phase('train'):
             try:
                 model = super().train()
@@ -356,6 +377,34 @@ def without_collate_scope(dataloader: Any) -> Any:
     return dict(dataloader, collate_fn=collate)
 
 
+def check_equal_batches(loop: Any, key: str, config: WrapperConfig) -> Any:
+    """``loop``, unless its ranks would run unequal numbers of batches through a collective forward.
+
+    The ranks with fewer would leave the others waiting in an all-gather (a hang).
+    mmengine's ``DefaultSampler(round_up=False)`` gives rank ``r`` of ``W`` the
+    samples ``r, r + W, ...``; every rank computes every rank's count, so all
+    raise together, before the loop runs.
+    """
+    dataloader = getattr(loop, 'dataloader', None)
+    sampler = getattr(dataloader, 'sampler', None)
+    if (not config.collective_forward or not isinstance(sampler, DefaultSampler)
+            or sampler.round_up or not dataloader.batch_size):
+        return loop
+    samples, world, size = len(sampler.dataset), sampler.world_size, dataloader.batch_size
+    batches = [(len(range(r, samples, world)) + (0 if dataloader.drop_last else size - 1)) // size
+               for r in range(world)]
+    if len(set(batches)) > 1:
+        raise ValueError(
+            f'{key}.sampler.round_up=False: {samples} samples on {world} ranks in batches of '
+            f'{size} are {batches} batches per rank, and under {config.NAME} every evaluation '
+            'batch all-gathers parameters on every rank, so the ranks with fewer would leave '
+            f'the others waiting. Write {key}.sampler.round_up=True (mmengine\'s default: the '
+            'last ranks repeat samples to even the count, and the evaluator drops the repeats, '
+            'so metrics are over the dataset as it is), or a batch size or dataset length that '
+            'gives every rank the same number of batches')
+    return loop
+
+
 def is_mmengine_default_env(env_cfg: Mapping, cfg: Mapping) -> bool:
     """Whether ``env_cfg`` is mmengine's default, which the user did not write.
 
@@ -408,6 +457,11 @@ class WrapPreconditions:
         finally:
             self._phase = previous
 
+    @property
+    def in_train(self) -> bool:
+        """Whether ``train()`` is running."""
+        return self._phase == 'train'
+
     def weights_ready(self) -> None:
         """Record that the weights are initialised and the same on every rank."""
         self._weights_ready = True
@@ -449,5 +503,7 @@ class WrapState:
     #: Meta init with a checkpoint to load: what no initialiser wrote, checked after loading.
     meta_pending: list = dataclasses.field(default_factory=list)
     meta_check_after_load: bool = False
+    #: ``val()`` / ``test()`` wrapped the model, not ``train()`` (nor meta init).
+    wrapped_for_evaluation: bool = False
     #: What must have happened before ``train()`` wraps.
     preconditions: WrapPreconditions = dataclasses.field(default_factory=WrapPreconditions)
