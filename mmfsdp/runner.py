@@ -4,12 +4,14 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+import torch
 from mmengine.dataset import DefaultSampler
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.registry import FUNCTIONS
 from mmengine.runner import Runner
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree, fail_together
@@ -17,7 +19,12 @@ from .amp import replace_stock_amp
 from .checkpoint.durable import publish_unpublished
 from .checkpoint.runner_methods import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH, safe_reads
-from .checkpoint.state import META_FILE, load_full_optimizer_state
+from .checkpoint.state import (
+    META_FILE,
+    gather_full_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
 from .dist import (
@@ -269,16 +276,26 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         (its write error raised on every rank); if training fails, rank 0
         publishes it alone if its write completed on every rank
         (:meth:`settle_checkpoint`: no collective after a failure). After
-        ``val()`` / ``test()`` sharded the model it is refused (:class:`LifecycleError`).
+        ``val()`` / ``test()`` sharded the model with FSDP1 it is refused
+        (:class:`LifecycleError`); FSDP2 trains (:meth:`init_model_weights`).
         """
-        if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model):
+        if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model) and \
+                not self._wrap_state.wrapping.config.shapes_kept:
             raise LifecycleError(
                 f'runner.train() after runner.val() / runner.test() on one FSDPRunner: the '
-                f'evaluation sharded the model ({type(self.model).__name__}), and train() '
-                "initialises the weights (the model's init_weights, then rank 0's broadcast) on "
-                'the whole model before sharding it, which a sharded model no longer is. Train '
-                'a new runner (FSDPRunner.from_cfg(cfg).train()); on this one, evaluate after '
-                'train() (val() / test(), or train_cfg.val_interval)')
+                f'evaluation wrapped the model in {type(self.model).__name__}, whose parameters '
+                'are flat 1-D shards from then on, and train() builds the optimizer from them '
+                "(paramwise_cfg rules read each parameter's ndim) and initialises the weights "
+                "whole (the model's init_weights). Train a new runner "
+                '(FSDPRunner.from_cfg(cfg).train()); on this one, evaluate after train() (val() '
+                "/ test(), or train_cfg.val_interval); or use model_wrapper_cfg.type="
+                "'mmfsdp.MMFullyShard', which trains after an evaluation")
+        if self._wrap_state.wrapped_for_evaluation:
+            # FSDP2 keeps a root gathered after its forward: the optimizer train() builds
+            # from the model must get the shards (it got the root's gathered tensors)
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         with self._wrap_state.preconditions.phase('train'):
             try:
                 model = super().train()
@@ -293,9 +310,13 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
         What initialisation reads (``init_cfg`` ``Pretrained``, a backbone's own
         ``load_checkpoint``) goes through the safe reader (:func:`safe_reads`).
+        A model that ``val()`` / ``test()`` sharded is initialised as a whole copy
+        (:meth:`_init_whole_copy`).
         """
         with safe_reads(bool(self.cfg.get(UNSAFE_SWITCH, False))):
-            if self._wrap_state.staged:
+            if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model):
+                self._init_whole_copy()
+            elif self._wrap_state.staged:
                 model = self.model.module if is_model_wrapper(self.model) else self.model
                 if callable(getattr(model, 'init_weights', None)):
                     with draws_on(current_device(), model):  # as the stock Runner's
@@ -303,6 +324,29 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             elif not self._wrap_state.meta_init:
                 super().init_model_weights()
         self._wrap_state.preconditions.weights_ready()
+
+    def _init_whole_copy(self) -> None:
+        """The stock initialise-and-broadcast on a whole copy of the sharded model, loaded back.
+
+        The copy is built again from ``cfg.model`` (its construction's random
+        draws forked away, so the run's random state is as a plain ``train()``
+        leaves it), holds the sharded model's values (what ``val()`` saw,
+        gathered), and is initialised and broadcast as the stock Runner does;
+        each rank then loads its shards from it. It holds the whole model
+        once more while it lives, as every rank does before a plain ``train()`` wraps.
+        """
+        sharded = self.model
+        values, _ = gather_full_state(sharded, None)  # on rank 0 only where it offloads
+        with torch.random.fork_rng(devices=[]):
+            whole = self.build_model(self.cfg.get('model')).to(current_device())
+        if values:
+            whole.load_state_dict(values)
+        self.model = whole
+        try:
+            super().init_model_weights()
+        finally:
+            self.model = sharded
+        load_full_model_state(sharded, whole.state_dict(), strict=True)
 
     def load_or_resume(self) -> None:
         """Wrap the model, whose weights are now initialised, then load or resume.

@@ -1,10 +1,10 @@
 """Evaluation before training, and evaluation batches per rank, on one 2-process group.
 
 - ``runner.val()`` / ``runner.test()`` then ``runner.train()`` on one FSDPRunner:
-  DDP trains to the weights of mmengine's stock Runner doing the same on one
-  process (the evaluation's dataloader draws from torch's RNG before
-  ``init_weights`` does); FSDP1 and FSDP2, whose evaluation sharded the model,
-  refuse ``train()`` at the call, naming why and what to do.
+  DDP and FSDP2 train to the weights of mmengine's stock Runner doing the same
+  on one process (the evaluation's dataloader draws from torch's RNG before
+  ``init_weights`` does); FSDP1, whose evaluation made every parameter a flat
+  shard, refuses ``train()`` at the call, naming why and what to do.
 - A val / test sampler with ``round_up=False`` whose ranks would run different
   numbers of batches is refused under FSDP1 and FSDP2 (every evaluation batch
   all-gathers on every rank) when the loop is built, before it runs; one whose
@@ -66,33 +66,35 @@ def ranks(tmp_path_factory) -> list:
 
 
 @pytest.mark.parametrize('first', ['val', 'test'])
-def test_ddp_trains_after_an_evaluation_as_the_stock_runner_on_one_process(ranks, first,
-                                                                           tmp_path):
+def test_ddp_and_fsdp2_train_after_an_evaluation_as_the_stock_runner_on_one_process(
+        ranks, first, tmp_path):
+    """Before: FSDP2 ``NotImplementedError: Operator c10d.broadcast_.default does not have a
+    sharding strategy registered`` (the weights initialised again on the sharded model)."""
     cfg = runner_config('stock', str(tmp_path), launcher='none', batch_size=8, max_iters=3,
                         val=True)
     stock = Runner.from_cfg(Config(cfg))
     getattr(stock, first)()
     stock.train()
     for rank in ranks:
-        run = rank['ddp', first]
-        assert run['error'] == (None, None) and run['iter'] == 3
-        diff = max_abs_diff(run['weights'], stock.model.state_dict())
-        print(f'DDP {first}() then train(): {diff:.1e} from the stock Runner on one process')
-        assert diff <= TOL
+        for wrapper in ('ddp', 'fsdp2'):
+            run = rank[wrapper, first]
+            assert run['error'] == (None, None) and run['iter'] == 3
+            diff = max_abs_diff(run['weights'], stock.model.state_dict())
+            print(f'{wrapper} {first}() then train(): {diff:.1e} from the stock Runner')
+            assert diff <= TOL
 
 
-@pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
 @pytest.mark.parametrize('first', ['val', 'test'])
-def test_sharded_train_after_an_evaluation_is_refused_at_the_call(ranks, wrapper, first):
-    """Before: FSDP2 ``NotImplementedError: Operator c10d.broadcast_.default does not have a
-    sharding strategy registered``, FSDP1 ``ValueError: not enough values to unpack``
-    (the weights initialised again on the wrapped model)."""
+def test_fsdp1_train_after_an_evaluation_is_refused_at_the_call(ranks, first):
+    """Before: ``ValueError: not enough values to unpack`` (the weights initialised again on
+    the wrapped model)."""
     for rank in ranks:
-        run = rank[wrapper, first]
+        run = rank['fsdp1', first]
         error, message = run['error']
         assert error == 'LifecycleError', message
         assert 'runner.train() after runner.val() / runner.test()' in message
-        assert 'FSDPRunner.from_cfg(cfg).train()' in message
+        assert 'flat 1-D shards' in message and 'FSDPRunner.from_cfg(cfg).train()' in message
+        assert "'mmfsdp.MMFullyShard'" in message
         assert run['iter'] == 0
 
 
