@@ -290,7 +290,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                 '(FSDPRunner.from_cfg(cfg).train()); on this one, evaluate after train() (val() '
                 "/ test(), or train_cfg.val_interval); or use model_wrapper_cfg.type="
                 "'mmfsdp.MMFullyShard', which trains after an evaluation")
-        if self._wrap_state.wrapped_for_evaluation:
+        if is_model_wrapper(self.model):  # val() / test() first, or meta init
             # FSDP2 keeps a root gathered after its forward: the optimizer train() builds
             # from the model must get the shards (it got the root's gathered tensors)
             for module in self.model.modules():

@@ -4,7 +4,8 @@
   DDP and FSDP2 train to the weights of mmengine's stock Runner doing the same
   on one process (the evaluation's dataloader draws from torch's RNG before
   ``init_weights`` does); FSDP1, whose evaluation made every parameter a flat
-  shard, refuses ``train()`` at the call, naming why and what to do.
+  shard, refuses ``train()`` at the call, naming why and what to do. FSDP2
+  under meta init (wrapped at construction) trains after an evaluation as without.
 - A val / test sampler with ``round_up=False`` whose ranks would run different
   numbers of batches is refused under FSDP1 and FSDP2 (every evaluation batch
   all-gathers on every rank) when the loop is built, before it runs; one whose
@@ -44,6 +45,12 @@ def _weights(runner) -> dict:
 
 def _lifecycle(root: str) -> dict:
     out = {}
+    for first in (None, 'val', 'test'):  # meta init: wrapped at construction, before val()
+        runner = _runner(f'meta-{first}-first', root, dict(FSDP2, init_device='meta'))
+        if first:
+            getattr(runner, first)()
+        runner.train()
+        out['meta', first] = _weights(runner)
     for name, wrapper in WRAPPERS.items():
         for first in ('val', 'test'):
             runner = _runner(f'{name}-{first}-first', root, wrapper)
@@ -82,6 +89,15 @@ def test_ddp_and_fsdp2_train_after_an_evaluation_as_the_stock_runner_on_one_proc
             diff = max_abs_diff(run['weights'], stock.model.state_dict())
             print(f'{wrapper} {first}() then train(): {diff:.1e} from the stock Runner')
             assert diff <= TOL
+
+
+@pytest.mark.parametrize('first', ['val', 'test'])
+def test_fsdp2_meta_init_trains_after_an_evaluation_as_without(ranks, first):
+    """Before: the optimizer was built from the root's gathered tensors, which FSDP2 keeps
+    after the evaluation's forward: 18 of 24 parameters stepped, 3.0e-2 off after 3
+    iterations."""
+    for rank in ranks:
+        assert max_abs_diff(rank['meta', first], rank['meta', None]) == 0.0
 
 
 @pytest.mark.parametrize('first', ['val', 'test'])
