@@ -190,6 +190,10 @@ PolicyConfig = Union[None, str, Mapping[str, Any], Callable, Sequence[Any]]
 
 #: Containers without a ``forward``: never a unit themselves, always looked into.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+#: Modules whose forward reads their children's parameters without calling them: a child
+#: unit would hand the parent a shard (``nn.MultiheadAttention`` reads ``out_proj.weight``).
+#: Never looked into, by any policy (torch's size-based policy: ``FORCE_LEAF_MODULES``).
+LEAF_MODULES = (nn.MultiheadAttention, )
 
 
 def _resolves_options(resolver: Callable[..., Dict[str, Any]]) -> Callable:
@@ -328,7 +332,8 @@ def plan_units(index: Union[ModelIndex, nn.Module], policy: WrapPolicy) -> List[
     says ``recurse``; after its children, it becomes a unit if the policy
     accepts the parameters its children did not claim. The root is never in
     the list (it is always a unit). A parameter shared by several modules is
-    counted once, where it is first reached.
+    counted once, where it is first reached. Nothing inside a :data:`LEAF_MODULES`
+    instance is a unit (it may be one, whole).
     """
     index = ModelIndex.of(index)
     units: List[str] = []
@@ -340,7 +345,8 @@ def plan_units(index: Union[ModelIndex, nn.Module], policy: WrapPolicy) -> List[
         if not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return 0
         claimed = 0
-        for child_name, child in module.named_children():
+        children = () if isinstance(module, LEAF_MODULES) else module.named_children()
+        for child_name, child in children:
             claimed += visit(child, f'{name}.{child_name}' if name else child_name, False)
         if not is_root and policy(module=module, recurse=False,
                                   nonwrapped_numel=numel - claimed):

@@ -4,11 +4,14 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+import torch
+from mmengine.dataset import DefaultSampler
 from mmengine.dist import is_distributed, is_main_process
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.registry import FUNCTIONS
 from mmengine.runner import Runner
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from .agreement import check_ranks_agree, fail_together
@@ -16,7 +19,12 @@ from .amp import replace_stock_amp
 from .checkpoint.durable import publish_unpublished
 from .checkpoint.runner_methods import CheckpointMixin
 from .checkpoint.safe_io import UNSAFE_SWITCH, safe_reads
-from .checkpoint.state import META_FILE, load_full_optimizer_state
+from .checkpoint.state import (
+    META_FILE,
+    gather_full_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from .compat import RunnerSteps, load_from, resume_requested
 from .device_draws import draws_on
 from .dist import (
@@ -46,7 +54,7 @@ from .optim import (
 from .plan import log_sharding_plan, plan_of
 from .registry import RUNNERS
 from .strategies import translate_strategy
-from .wrappers.base import Layout, ParallelWrapper
+from .wrappers.base import Layout, ParallelWrapper, WrapperConfig
 from .wrappers.builder import Wrapping, model_wrapper_config, resolve_wrapper
 
 __all__ = ['FSDPRunner', 'LifecycleError', 'WrapPreconditions', 'WrapState',
@@ -125,6 +133,16 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         as a keyword; here the function is looked up in that scope instead.
         """
         return Runner.build_dataloader(without_collate_scope(dataloader), seed, diff_rank_seed)
+
+    def build_val_loop(self, loop: Any) -> Any:
+        """The stock loop, refused where its ranks would evaluate unequal numbers of batches."""
+        return check_equal_batches(super().build_val_loop(loop), 'val_dataloader',
+                                   self._wrap_state.wrapping.config)
+
+    def build_test_loop(self, loop: Any) -> Any:
+        """The stock loop, refused as :meth:`build_val_loop`."""
+        return check_equal_batches(super().build_test_loop(loop), 'test_dataloader',
+                                   self._wrap_state.wrapping.config)
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
         """The stock build; mmengine's ``AmpOptimWrapper`` becomes ``mmfsdp.AmpOptimWrapper``.
@@ -232,6 +250,7 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
                     ' averages them across ranks')
             else:
                 model = convert_sync_batchnorm(model, self.cfg.get('sync_bn'))
+        state.wrapped_for_evaluation = not (state.preconditions.in_train or state.meta_init)
         resumed = self._take_optimizer_state()
         self.model = state.wrapping.build(model, state.layout, current_device(),
                                           sync_module_states=state.staged)
@@ -260,8 +279,27 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
         A checkpoint still written in the background is published at the end
         (its write error raised on every rank); if training fails, rank 0
         publishes it alone if its write completed on every rank
-        (:meth:`settle_checkpoint`: no collective after a failure).
+        (:meth:`settle_checkpoint`: no collective after a failure). After
+        ``val()`` / ``test()`` sharded the model with FSDP1 it is refused
+        (:class:`LifecycleError`); FSDP2 trains (:meth:`init_model_weights`).
         """
+        if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model) and \
+                not self._wrap_state.wrapping.config.shapes_kept:
+            raise LifecycleError(
+                f'runner.train() after runner.val() / runner.test() on one FSDPRunner: the '
+                f'evaluation wrapped the model in {type(self.model).__name__}, whose parameters '
+                'are flat 1-D shards from then on, and train() builds the optimizer from them '
+                "(paramwise_cfg rules read each parameter's ndim) and initialises the weights "
+                "whole (the model's init_weights). Train a new runner "
+                '(FSDPRunner.from_cfg(cfg).train()); on this one, evaluate after train() (val() '
+                "/ test(), or train_cfg.val_interval); or use model_wrapper_cfg.type="
+                "'mmfsdp.MMFullyShard', which trains after an evaluation")
+        if is_model_wrapper(self.model):  # val() / test() first, or meta init
+            # FSDP2 keeps a root gathered after its forward: the optimizer train() builds
+            # from the model must get the shards (it got the root's gathered tensors)
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         with self._wrap_state.preconditions.phase('train'):
             try:
                 model = super().train()
@@ -289,9 +327,13 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
 
         What initialisation reads (``init_cfg`` ``Pretrained``, a backbone's own
         ``load_checkpoint``) goes through the safe reader (:func:`safe_reads`).
+        A model that ``val()`` / ``test()`` sharded is initialised as a whole copy
+        (:meth:`_init_whole_copy`).
         """
         with safe_reads(bool(self.cfg.get(UNSAFE_SWITCH, False))):
-            if self._wrap_state.staged:
+            if self._wrap_state.wrapped_for_evaluation and is_sharded(self.model):
+                self._init_whole_copy()
+            elif self._wrap_state.staged:
                 model = self.model.module if is_model_wrapper(self.model) else self.model
                 if callable(getattr(model, 'init_weights', None)):
                     with draws_on(current_device(), model):  # as the stock Runner's
@@ -299,6 +341,29 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             elif not self._wrap_state.meta_init:
                 super().init_model_weights()
         self._wrap_state.preconditions.weights_ready()
+
+    def _init_whole_copy(self) -> None:
+        """The stock initialise-and-broadcast on a whole copy of the sharded model, loaded back.
+
+        The copy is built again from ``cfg.model`` (its construction's random
+        draws forked away, so the run's random state is as a plain ``train()``
+        leaves it), holds the sharded model's values (what ``val()`` saw,
+        gathered), and is initialised and broadcast as the stock Runner does;
+        each rank then loads its shards from it. It holds the whole model
+        once more while it lives, as every rank does before a plain ``train()`` wraps.
+        """
+        sharded = self.model
+        values, _ = gather_full_state(sharded, None)  # on rank 0 only where it offloads
+        with torch.random.fork_rng(devices=[]):
+            whole = self.build_model(self.cfg.get('model')).to(current_device())
+        if values:
+            whole.load_state_dict(values)
+        self.model = whole
+        try:
+            super().init_model_weights()
+        finally:
+            self.model = sharded
+        load_full_model_state(sharded, whole.state_dict(), strict=True)
 
     def load_or_resume(self) -> None:
         """Wrap the model, whose weights are now initialised, then load or resume.
@@ -373,6 +438,34 @@ def without_collate_scope(dataloader: Any) -> Any:
     return dict(dataloader, collate_fn=collate)
 
 
+def check_equal_batches(loop: Any, key: str, config: WrapperConfig) -> Any:
+    """``loop``, unless its ranks would run unequal numbers of batches through a collective forward.
+
+    The ranks with fewer would leave the others waiting in an all-gather (a hang).
+    mmengine's ``DefaultSampler(round_up=False)`` gives rank ``r`` of ``W`` the
+    samples ``r, r + W, ...``; every rank computes every rank's count, so all
+    raise together, before the loop runs.
+    """
+    dataloader = getattr(loop, 'dataloader', None)
+    sampler = getattr(dataloader, 'sampler', None)
+    if (not config.collective_forward or not isinstance(sampler, DefaultSampler)
+            or sampler.round_up or not dataloader.batch_size):
+        return loop
+    samples, world, size = len(sampler.dataset), sampler.world_size, dataloader.batch_size
+    batches = [(len(range(r, samples, world)) + (0 if dataloader.drop_last else size - 1)) // size
+               for r in range(world)]
+    if len(set(batches)) > 1:
+        raise ValueError(
+            f'{key}.sampler.round_up=False: {samples} samples on {world} ranks in batches of '
+            f'{size} are {batches} batches per rank, and under {config.NAME} every evaluation '
+            'batch all-gathers parameters on every rank, so the ranks with fewer would leave '
+            f'the others waiting. Write {key}.sampler.round_up=True (mmengine\'s default: the '
+            'last ranks repeat samples to even the count, and the evaluator drops the repeats, '
+            'so metrics are over the dataset as it is), or a batch size or dataset length that '
+            'gives every rank the same number of batches')
+    return loop
+
+
 def is_mmengine_default_env(env_cfg: Mapping, cfg: Mapping) -> bool:
     """Whether ``env_cfg`` is mmengine's default, which the user did not write.
 
@@ -425,6 +518,11 @@ class WrapPreconditions:
         finally:
             self._phase = previous
 
+    @property
+    def in_train(self) -> bool:
+        """Whether ``train()`` is running."""
+        return self._phase == 'train'
+
     def weights_ready(self) -> None:
         """Record that the weights are initialised and the same on every rank."""
         self._weights_ready = True
@@ -466,5 +564,7 @@ class WrapState:
     #: Meta init with a checkpoint to load: what no initialiser wrote, checked after loading.
     meta_pending: list = dataclasses.field(default_factory=list)
     meta_check_after_load: bool = False
+    #: ``val()`` / ``test()`` wrapped the model, not ``train()`` (nor meta init).
+    wrapped_for_evaluation: bool = False
     #: What must have happened before ``train()`` wraps.
     preconditions: WrapPreconditions = dataclasses.field(default_factory=WrapPreconditions)

@@ -90,7 +90,9 @@ def full_precision(module: nn.Module) -> Iterator[None]:
     then use their full-precision flat parameters and take uncast inputs (torch's
     ``FSDP_USE_FULL_PREC_IN_EVAL``, set per unit); FSDP2 parameter groups gather
     without ``param_dtype`` and cast no inputs. Each side of the switch is entered
-    resharded, so no gathered copy of the other dtype is used or kept.
+    resharded, so no gathered copy of the other dtype is used or kept; FSDP2's
+    training-time unsharded parameters are set aside and put back, not remade, as
+    between micro-steps without gradient sync they hold the accumulated gradient.
     """
     fsdp1 = FullyShardedDataParallel.fsdp_modules(module)
     fsdp2 = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -103,6 +105,8 @@ def full_precision(module: nn.Module) -> Iterator[None]:
     states = list({id(s): s for s in (m._get_fsdp_state() for m in fsdp2)}.values())
     groups = [g for s in states for g in s._fsdp_param_groups]
     policies = [s._mp_policy for s in states], [g.mp_policy for g in groups]
+    # id(FSDPParam) -> its training-time gathered buffers, set aside while evaluating
+    training_buffers: Dict[int, Tuple[List[torch.Tensor], Optional[nn.Parameter]]] = {}
 
     def switch(full: Optional[bool], state_policies: List[Any], group_policies: List[Any]) -> None:
         for unit in fsdp1:
@@ -117,9 +121,15 @@ def full_precision(module: nn.Module) -> Iterator[None]:
             group.mp_policy = policy  # lazy init (a first forward in eval) reads it too
             for param in group.fsdp_params:
                 param.init_dtype_attrs(policy)
-                # why: the gathered buffers are made once, in param_dtype; freed, made again
-                param.all_gather_outputs = []
-                vars(param).pop('_unsharded_param', None)
+                # why: the gathered buffers are made once, in param_dtype: evaluation makes
+                # its own, and training gets its own back, since between micro-steps without
+                # gradient sync FSDP2 accumulates the unsharded gradient on that parameter
+                buffers = param.all_gather_outputs, vars(param).pop('_unsharded_param', None)
+                param.all_gather_outputs, unsharded = training_buffers.pop(id(param), ([], None))
+                if unsharded is not None:
+                    param._unsharded_param = unsharded
+                if full:
+                    training_buffers[id(param)] = buffers
 
     switch(True, *([dataclasses.replace(p, param_dtype=None, output_dtype=None) for p in ps]
                    for ps in policies))

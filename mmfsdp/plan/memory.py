@@ -5,14 +5,17 @@ size, so it can be computed exactly on a model built on the meta device,
 without a process group. Frozen parameters (``requires_grad=False``, as
 mmdet's ``frozen_stages``) are held and gathered but get no gradient and no
 optimizer state, except that FSDP1 keeps a gradient for a whole flat unit
-where any of its parameters trains. The estimate of the peak adds the gathered
+where any of its parameters trains; they are read after ``model.train()``,
+which mmengine's loops call before the first step and where models freeze
+(mmdet's ResNet ``_freeze_stages``). The estimate of the peak adds the gathered
 parameters in flight (the two largest units: the one computing and the one
 prefetched); activations depend on the batch and are not included.
 """
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -186,6 +189,21 @@ def _unit_params(model: nn.Module, units: Tuple[str, ...]) -> Dict[str, List[nn.
     return grouped
 
 
+@contextlib.contextmanager
+def as_trained(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` after ``model.train()``; each module's mode and parameter's flag put back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.train()
+    try:
+        yield model
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+
 def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
               optimizer_states: int = 2, ema: bool = False,
               accumulative_counts: int = 1,
@@ -197,7 +215,15 @@ def make_plan(model: nn.Module, spec: ShardingSpec, world_size: int,
     ``accumulative_counts > 1`` and ``accumulation='unsharded'``, each rank
     holds full gradients between micro-steps. ``reduce_dtype``: the dtype
     gradients are reduced in under mixed precision (``None``: as computed).
+    Trainable parameters are those of ``model.train()`` (:func:`as_trained`).
     """
+    with as_trained(model):
+        return _make_plan(model, spec, world_size, optimizer_states, ema, accumulative_counts,
+                          reduce_dtype)
+
+
+def _make_plan(model: nn.Module, spec: ShardingSpec, world_size: int, optimizer_states: int,
+               ema: bool, accumulative_counts: int, reduce_dtype: Optional[torch.dtype]) -> Plan:
     grads_sharded = not (accumulative_counts > 1 and spec.unsharded_accumulation)
     grouped = _unit_params(model, spec.units)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}

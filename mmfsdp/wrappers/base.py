@@ -249,6 +249,10 @@ class WrapperConfig:
     NAME: ClassVar[str] = ''
     #: For a model with its own steps, children whose parameters are all frozen stay unwrapped.
     trainable_roots_only: ClassVar[bool] = False
+    #: Every forward, evaluation's too, is a collective (it all-gathers the units).
+    collective_forward: ClassVar[bool] = False
+    #: The wrapped model's parameters keep their shapes (not FSDP1's flat shards).
+    shapes_kept: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         """Refuse a combination the options cannot honour together."""

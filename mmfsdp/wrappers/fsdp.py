@@ -95,6 +95,8 @@ class FSDPConfig(WrapperConfig):
 
     NAME: ClassVar[str] = NAME
     trainable_roots_only: ClassVar[bool] = True
+    collective_forward: ClassVar[bool] = True
+    shapes_kept: ClassVar[bool] = False
     RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
         backward_prefetch=resolve_backward_prefetch, mixed_precision=resolve_mixed_precision,
         cpu_offload=resolve_cpu_offload)

@@ -264,6 +264,7 @@ class FullyShardConfig(WrapperConfig):
     find_unused_parameters: bool = False
 
     NAME: ClassVar[str] = NAME
+    collective_forward: ClassVar[bool] = True
     RESOLVERS: ClassVar[Mapping[str, Any]] = dict(
         reshard_after_forward=resolve_reshard_after_forward, mesh=resolve_mesh,
         mixed_precision=resolve_mp_policy, offload=resolve_offload_policy)

@@ -2,6 +2,8 @@
 
 - ``FrozenBackboneClassifier``: a frozen backbone and a trainable head, both in
   the root FSDP unit (``frozen_stages``-style fine-tuning);
+- ``AttentionClassifier``: an ``nn.MultiheadAttention``, whose forward reads
+  ``out_proj.weight`` without calling ``out_proj``;
 - ``ModuleNamedClassifier``: children called ``module`` at two depths, the
   name DDP and mmfsdp's wrappers use for their own child;
 - ``ToyGAN``: its own ``train_step`` with an ``OptimWrapperDict`` (built by
@@ -35,6 +37,23 @@ class FrozenBackboneClassifier(ToyClassifier):
         super().__init__(**kwargs)
         for module in (self.embed, self.blocks):
             module.requires_grad_(False)
+
+
+@MODELS.register_module()
+class AttentionClassifier(ToyClassifier):
+    """``ToyClassifier`` with self-attention after its blocks (each sample one token).
+
+    ``nn.MultiheadAttention`` holds 1088 parameters at ``dim=16``, 272 of them
+    in ``out_proj``, whose weight its forward reads without calling it.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.attn = nn.MultiheadAttention(self.head.in_features, 2, batch_first=True)
+
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = super().features(inputs).unsqueeze(1)
+        return (x + self.attn(x, x, x, need_weights=False)[0]).squeeze(1)
 
 
 @MODELS.register_module()

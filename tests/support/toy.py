@@ -75,12 +75,15 @@ class ToyClassifier(BaseModel):
                 nn.init.normal_(module.weight, std=1 / math.sqrt(fan_in))
                 nn.init.constant_(module.bias, 0.01 * fan_out)
 
-    def forward(self, inputs: torch.Tensor, data_samples: Optional[torch.Tensor] = None,
-                mode: str = 'tensor') -> Any:
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
         x = self.embed(inputs)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x)).float()
+        return x
+
+    def forward(self, inputs: torch.Tensor, data_samples: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = self.head(self.norm(self.features(inputs))).float()
         if mode == 'loss':
             return dict(loss=F.cross_entropy(logits, data_samples))
         if mode == 'predict':

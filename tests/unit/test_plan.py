@@ -302,3 +302,38 @@ def test_an_amp_optim_wrapper_traces_the_forward_under_autocast(tmp_path, capsys
     assert amp['step']['compute_dtype'] == 'float32'
     low = 'float16' if optim_wrapper.get('dtype') is None else 'bfloat16'
     assert (fp32['step']['autocast_dtype'], amp['step']['autocast_dtype']) == (None, low)
+
+
+class FreezesInTrain(nn.Module):
+    """A backbone that freezes its stem in ``train()``, as mmdet's ResNet ``_freeze_stages``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(512, 512)
+        self.head = nn.Linear(512, 512)
+
+    def train(self, mode: bool = True) -> 'FreezesInTrain':
+        super().train(mode)
+        self.stem.requires_grad_(False)
+        return self
+
+
+def test_parameters_frozen_in_train_get_no_gradient_and_no_optimizer_state():
+    """mmengine calls ``model.train()`` before the first step. Before: the stem, trainable when
+    the plan read it, was planned with gradients and AdamW state (2.0 and 4.0 MiB where 1.0
+    and 2.0 MiB are held, at one rank)."""
+    frozen_at_build = FreezesInTrain()
+    frozen_at_build.stem.requires_grad_(False)
+    model = FreezesInTrain()  # built: every parameter trainable
+    model.head.training = False
+    linears = dict(type=FSDP, auto_wrap_policy=dict(type='module_types', module_cls=['Linear']))
+    plans = [plan_for(MMFullyShardedDataParallel, linears, m, 1, ADAMW)
+             for m in (model, frozen_at_build)]
+    grads, states = ([sum(getattr(u, key) for u in p.units) for p in plans]
+                     for key in ('grad_bytes', 'optimizer_bytes'))
+    print(f'gradients {grads}, optimizer state {states} (bytes)')
+    assert grads[0] == grads[1] == 4 * (512 * 512 + 512)
+    assert states[0] == states[1] == 2 * grads[1]
+    # the plan leaves the model as it found it
+    assert [m.training for m in model.modules()] == [True, True, False]
+    assert all(p.requires_grad for p in model.parameters())

@@ -6,12 +6,14 @@ import pytest
 from mmengine.logging import MMLogger
 from torch import nn
 
+from contract_models import AttentionClassifier
 from mmfsdp import MMFullyShard
 from mmfsdp.demo import GPT, TransformerBlock
 from mmfsdp.plan import format_plan, log_sharding_plan, plan_for
 from mmfsdp.policies import ModelIndex, build_wrap_policy, plan_units
 from mmfsdp.registry import FSDP_WRAP_POLICIES
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
+from mmfsdp.wrappers.builder import model_wrapper_config, resolve_wrapper
 from toy import ToyBlock, ToyClassifier
 from vision import BottleneckResNet, GroupNormNet, TinyViT
 
@@ -267,3 +269,28 @@ def test_auto_chooses_the_decoder_layers_a_transformers_model_declares(lora):
     assert f'{declared}: 3 x LlamaDecoderLayer' in plan
     assert plan.replace(declared, 'units') == format_plan(
         plan_for(MMFullyShard, dict(auto_wrap_policy=hand), model, 8))
+
+
+# nn.MultiheadAttention reads out_proj.weight without calling out_proj: never split
+
+
+@pytest.mark.parametrize('policy, units', [
+    (dict(type='size_based', min_num_params=200), [
+        'blocks.0.fc1', 'blocks.0.fc2', 'blocks.1.fc1', 'blocks.1.fc2', 'blocks.2.fc1',
+        'blocks.2.fc2', 'attn']),
+    (dict(type='module_types', module_cls=['Linear']), [
+        'embed', 'blocks.0.fc1', 'blocks.0.fc2', 'blocks.1.fc1', 'blocks.1.fc2', 'blocks.2.fc1',
+        'blocks.2.fc2', 'head']),
+])
+def test_no_policy_makes_a_unit_inside_multihead_attention(policy, units):
+    """Before: 'attn.out_proj' was a unit (size_based: 272 parameters; a Linear subclass)."""
+    assert _units(policy, AttentionClassifier(dim=16, depth=3)) == units
+
+
+def test_torch_size_based_policy_by_dotted_name_keeps_multihead_attention_whole():
+    """mmengine's strategy configs name torch's policy; it never recurses into attention."""
+    strategy = dict(type='FSDPStrategy', model_wrapper=dict(auto_wrap_policy=dict(
+        type='torch.distributed.fsdp.wrap.size_based_auto_wrap_policy', min_num_params=200)))
+    wrapping = resolve_wrapper(model_wrapper_config(dict(strategy=strategy)))
+    layout = wrapping.layout(AttentionClassifier(dim=16, depth=3))
+    assert 'attn.out_proj' not in layout.units and 'attn' in layout.units
