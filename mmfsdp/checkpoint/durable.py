@@ -6,16 +6,22 @@ is ``fsync``-ed: a crash leaves at most temporaries, never a partial ``NAME``.
 The token names one run's temporaries, so clean-up deletes only what this run
 (or the run it resumed) wrote. See ``docs/checkpoints.md``.
 """
+import io
 import os
 import re
 import shutil
 import uuid
 import zipfile
-from typing import Any, Callable, Iterable, List, Optional
+from typing import IO, Any, Callable, Iterable, List, Optional, Union
 
 import torch
 
-from .safe_io import IncompleteCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
+from .safe_io import (
+    IncompleteCheckpointError,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    read_member,
+)
 
 __all__ = ['find_complete_checkpoint', 'new_token', 'publish_unpublished', 'remove_path',
            'remove_stale_temporaries', 'replace_path', 'save_atomically', 'temporary_path',
@@ -137,7 +143,7 @@ def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) ->
     """
     if not os.path.isdir(path):
         return 'it does not exist' if not os.path.isfile(path) else _zip_reason(path)
-    if not os.path.isfile(os.path.join(path, meta_file)):
+    if not os.path.lexists(os.path.join(path, meta_file)):
         return f'its {meta_file} is missing'
     try:  # the reader checks that every shard file is there and long enough
         SafeFileSystemReader(path, allow_unsafe).read_metadata()
@@ -147,13 +153,14 @@ def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) ->
         return e.reason
     except Exception as e:  # noqa: BLE001 - any unreadable metadata makes it incomplete
         return f'its .metadata cannot be read ({type(e).__name__}: {e})'
-    return _zip_reason(os.path.join(path, meta_file))
+    # a regular file of the directory only (else UnsafeCheckpointError), read within its size
+    return _zip_reason(io.BytesIO(read_member(path, meta_file)))
 
 
-def _zip_reason(path: str) -> Optional[str]:
+def _zip_reason(file: Union[str, IO[bytes]]) -> Optional[str]:
     # torch.save writes a zip archive whose directory is at its end: a cut file has none
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(file) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError) as e:
         return f'it is truncated or not a torch.save archive ({e})'

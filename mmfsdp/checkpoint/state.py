@@ -46,7 +46,7 @@ from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from .background import BackgroundWrite, ShardStager, run_in_background, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
-from .safe_io import SafeFileSystemReader, load_file, load_shards
+from .safe_io import SafeFileSystemReader, load_member, load_shards
 
 __all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
            'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
@@ -333,22 +333,28 @@ def match_keys(model: Mapping[str, Optional[torch.Size]],
 
 
 def is_sharded_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete sharded checkpoint directory."""
-    return os.path.isfile(os.path.join(path, META_FILE))
+    """Whether ``path`` is a sharded checkpoint directory (it has a :data:`META_FILE`).
+
+    Whatever that entry is: reading it (:func:`read_sharded_meta`) refuses
+    anything but a regular file.
+    """
+    return os.path.lexists(os.path.join(path, META_FILE))
 
 
 def is_dcp_checkpoint(path: str) -> bool:
     """Whether ``path`` is a DCP directory: mmfsdp's sharded checkpoint or ``dcp.save``'s."""
-    return os.path.isfile(os.path.join(path, '.metadata'))
+    return os.path.lexists(os.path.join(path, '.metadata'))
 
 
 def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
     """The non-shard part of a sharded checkpoint: meta, message hub, schedulers.
 
     ``{}`` for a directory torch's own ``dcp.save`` wrote (no :data:`META_FILE`).
+    Read only as a regular file of the directory (:func:`~.safe_io.read_member`).
     """
-    meta = os.path.join(path, META_FILE)
-    return load_file(meta, allow_unsafe) if os.path.isfile(meta) else {}
+    if not os.path.lexists(os.path.join(path, META_FILE)):
+        return {}
+    return load_member(path, META_FILE, allow_unsafe)
 
 
 def _model_prefix(keys: Mapping[str, Any]) -> str:
