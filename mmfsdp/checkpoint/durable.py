@@ -12,7 +12,7 @@ import re
 import shutil
 import uuid
 import zipfile
-from typing import IO, Any, Callable, Iterable, List, Optional, Union
+from typing import IO, Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -204,31 +204,38 @@ def _family(name: str) -> Optional[re.Pattern]:
     return match and re.compile(re.escape(match.group(1)) + r'(\d+)' + re.escape(match.group(3)))
 
 
-def publish_unpublished(work_dir: str, meta_file: str, allow_unsafe: bool = False
-                        ) -> Optional[str]:
+def publish_unpublished(work_dir: str, meta_file: str,
+                        lineage: Callable[[str], Sequence[str]],
+                        allow_unsafe: bool = False) -> Optional[str]:
     """Publish the newest checkpoint a killed run wrote completely but had not yet renamed.
 
     A run killed after its background write ended on every rank, before it
     renamed the write into place, leaves a complete ``<token>-NAME.tmp``.
-    Auto-resume calls this (rank 0) first: the newest complete temporary of a
-    later step than the one ``last_checkpoint`` names (without it: named
-    ``iter_N.pth`` or ``epoch_N.pth`` in ``work_dir``) is renamed into place
-    and ``last_checkpoint`` repointed. Returns its path, or ``None``.
+    Auto-resume calls this (rank 0) first. Only the lineage of the checkpoint
+    ``last_checkpoint`` names may continue: ``lineage(path)`` gives its tokens
+    (the run that wrote it and the runs it resumed from), and only their
+    temporaries count, so another run's leftovers in the same work dir (a run
+    started there with ``resume=False``) are never published. Of those, the
+    newest complete one of a later step is renamed into place and
+    ``last_checkpoint`` repointed. Without ``last_checkpoint`` no lineage is
+    known and nothing is published. Returns its path, or ``None``.
     """
     pointer = os.path.join(work_dir, 'last_checkpoint')
-    latest = open(pointer).read().strip() if os.path.isfile(pointer) else None
-    directory = os.path.dirname(latest) if latest else work_dir
-    family = (_family(os.path.basename(latest)) if latest
-              else re.compile(r'(?:iter|epoch)_(\d+)\.pth'))
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        latest = f.read().strip()
+    directory, family = os.path.dirname(latest), _family(os.path.basename(latest))
     if family is None or not os.path.isdir(directory):
         return None
-    newer_than = int(family.fullmatch(os.path.basename(latest)).group(1)) if latest else -1
+    newer_than = int(family.fullmatch(os.path.basename(latest)).group(1))
+    tokens = set(lineage(latest))
     found = []
     for name in os.listdir(directory):
-        run = re.fullmatch(r'run[0-9a-f]{8}-(.+)' + re.escape(TMP_SUFFIX), name)
-        step = run and family.fullmatch(run.group(1))
+        run = re.fullmatch(r'(run[0-9a-f]{8})-(.+)' + re.escape(TMP_SUFFIX), name)
+        step = run and run.group(1) in tokens and family.fullmatch(run.group(2))
         if step and int(step.group(1)) > newer_than:
-            found.append((int(step.group(1)), name, run.group(1)))
+            found.append((int(step.group(1)), name, run.group(2)))
     for _, name, final in sorted(found, reverse=True):
         if _incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
             path = os.path.join(directory, final)
