@@ -23,7 +23,8 @@ from .safe_io import (
     read_member,
 )
 
-__all__ = ['find_complete_checkpoint', 'new_token', 'publish_unpublished', 'remove_path',
+__all__ = ['find_complete_checkpoint', 'incomplete_reason', 'new_token', 'publish_unpublished',
+           'remove_path',
            'remove_stale_temporaries', 'replace_path', 'save_atomically', 'temporary_path',
            'write_text_atomically']
 
@@ -136,7 +137,7 @@ def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]
     return removed
 
 
-def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) -> Optional[str]:
+def incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) -> Optional[str]:
     """Why the file or sharded directory ``path`` is incomplete (read from metadata), or None.
 
     A ``.metadata`` that safe reading refuses raises :class:`UnsafeCheckpointError`.
@@ -175,7 +176,7 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
     ``iter_4.pth``). Raises ``FileNotFoundError`` naming ``path`` and its
     defect when there is none.
     """
-    reason = _incomplete_reason(path, meta_file, allow_unsafe)
+    reason = incomplete_reason(path, meta_file, allow_unsafe)
     if reason is None:
         return path
     directory, name = os.path.split(path)
@@ -188,7 +189,7 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
                             reverse=True)
     for _, candidate in candidates:
         earlier = os.path.join(directory, candidate)
-        if _incomplete_reason(earlier, meta_file, allow_unsafe) is None:
+        if incomplete_reason(earlier, meta_file, allow_unsafe) is None:
             warn(f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}); '
                  f'resuming from {earlier}, the newest complete one before it')
             return earlier
@@ -237,7 +238,7 @@ def publish_unpublished(work_dir: str, meta_file: str,
         if step and int(step.group(1)) > newer_than:
             found.append((int(step.group(1)), name, run.group(2)))
     for _, name, final in sorted(found, reverse=True):
-        if _incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
+        if incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
             path = os.path.join(directory, final)
             replace_path(os.path.join(directory, name), path)
             write_text_atomically(path, pointer)

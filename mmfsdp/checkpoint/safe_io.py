@@ -313,7 +313,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     directory (a plain name, no symbolic link) and lie within its size; else,
     before any shard is opened, :class:`UnsafeCheckpointError` (whatever
     ``allow_unsafe``: DCP writes no other) or, for a missing or short file,
-    :class:`IncompleteCheckpointError`.
+    :class:`IncompleteCheckpointError`; so does a ``.metadata`` whose chunks do
+    not hold every tensor whole (:func:`_untiled`).
     """
 
     def __init__(self, path: Union[str, os.PathLike], allow_unsafe: bool = False) -> None:
@@ -332,6 +333,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             self._refuse(str(path), 'the DCP metadata reader', str(e), 'to read it with pickle')
             metadata = pickle.loads(data)  # noqa: S301 - allow_unsafe: the user trusts it
         self._check_storage(metadata)
+        untiled = _untiled(metadata)
+        if untiled is not None:
+            self.refused = IncompleteCheckpointError(str(self.path), untiled)
+            raise self.refused
         if getattr(metadata, 'storage_meta', None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as torch's reader
@@ -382,6 +387,59 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             raise self.refused from None
         warnings.warn(f'Reading {name} with the full unpickler ({UNSAFE_SWITCH}=True): '
                       'unpickling can execute arbitrary code', stacklevel=3)
+
+
+def _untiled(metadata: Any) -> Optional[str]:
+    """Why ``.metadata`` does not hold every tensor whole, in words; ``None`` if it does.
+
+    Each tensor's chunks must lie within it, not overlap, add up to all of its
+    elements and each have a storage entry (an empty one needs none), and each
+    non-tensor entry must have one. A write whose ranks were not coordinated
+    (each rank's DCP wrote its own ``.metadata`` into the same directory) holds
+    one rank's chunks only.
+    """
+    storage = getattr(metadata, 'storage_data', None) or {}
+    for fqn, entry in (getattr(metadata, 'state_dict_metadata', None) or {}).items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            if dcp_metadata.MetadataIndex(fqn) not in storage:
+                return f'its .metadata stores nothing for {fqn!r}'
+            continue
+        size, covered = tuple(entry.size), 0
+        for chunk in entry.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+                return (f'its .metadata places a chunk of {fqn!r} (offsets {list(offsets)}, '
+                        f'sizes {list(sizes)}) outside the tensor ({list(size)})')
+            if _volume(sizes) and dcp_metadata.MetadataIndex(fqn, offsets) not in storage:
+                return f'its .metadata stores nothing for the chunk of {fqn!r} at {list(offsets)}'
+            covered += _volume(sizes)
+        if covered != _volume(size) or _overlapping(entry.chunks):
+            return (f'its .metadata does not hold {fqn!r} whole: its chunks cover {covered} of '
+                    f'its {_volume(size)} elements (a write whose ranks were not coordinated?)')
+    return None
+
+
+def _volume(sizes: Tuple[int, ...]) -> int:
+    volume = 1
+    for n in sizes:
+        volume *= n
+    return volume
+
+
+def _overlapping(chunks: List[Any]) -> bool:
+    """Whether two chunks share an element: a sweep along dimension 0 (FSDP shards along it)."""
+    if not chunks or not tuple(chunks[0].sizes):
+        return len(chunks) > 1  # a 0-d tensor: one chunk
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if _volume(tuple(c.sizes)))
+    active: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        active = [(o, n) for o, n in active if o[0] + n[0] > offsets[0]]
+        for o, n in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, o, n)):
+                return True
+        active.append((offsets, sizes))
+    return False
 
 
 class _WeightsOnlyEntries:
