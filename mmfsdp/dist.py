@@ -6,7 +6,8 @@ picked by ``LOCAL_RANK``, else the CPU, and the backend torch's default for it
 (plus gloo for offloaded CPU tensors) unless ``env_cfg.dist_cfg`` names one.
 Launch mistakes are refused on every rank before the group starts.
 
-Leaving: :func:`shutdown_distributed` destroys every group and waits until
+Leaving: :func:`shutdown_distributed` publishes background checkpoint writes
+still in flight, destroys every group and waits until
 gloo's worker threads are idle, so a finished job does not abort in the
 interpreter's finalization (pytorch/pytorch#190489; ``docs/internals.md``).
 """
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from .compat import gloo_worker_threads
 
 __all__ = [
-    'check_backend', 'check_launcher', 'current_device', 'default_backend',
+    'before_shutdown', 'check_backend', 'check_launcher', 'current_device', 'default_backend',
     'export_launcher_env', 'init_distributed', 'local_world_size', 'registered_at_exit',
     'select_backend', 'select_device', 'set_current_device', 'settle_at_exit',
     'settle_gloo_workers', 'shutdown_at_exit', 'shutdown_distributed', 'teardown_at_exit'
@@ -243,9 +244,30 @@ def settle_gloo_workers(timeout: float = 5.0) -> bool:
         time.sleep(QUIET_S)
 
 
+#: What :func:`shutdown_distributed` runs before it destroys the groups (:func:`before_shutdown`).
+_BEFORE_SHUTDOWN: List[Callable[[], None]] = []
+
+
+def before_shutdown(fn: Callable[[], None]) -> None:
+    """Have :func:`shutdown_distributed` run ``fn()`` (once registered) while the groups exist.
+
+    ``mmfsdp.checkpoint`` registers the publication of background writes still
+    in flight: a write whose group is destroyed under it cannot finish.
+    """
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
+
+
 def shutdown_distributed(timeout: float = 5.0) -> bool:
-    """Destroy every process group, then :func:`settle_gloo_workers`; call it last."""
+    """Finish what needs the groups, destroy every process group, then settle gloo; call it last.
+
+    What needs the groups (:func:`before_shutdown`): a checkpoint still written
+    in the background is waited for and published, collectively, so every
+    rank calls this at the same point (as ``FSDPRunner`` does at exit).
+    """
     if dist.is_initialized():
+        for fn in _BEFORE_SHUTDOWN:
+            fn()
         dist.destroy_process_group()
     return settle_gloo_workers(timeout)
 

@@ -387,10 +387,14 @@ class FSDPRunner(CheckpointMixin, RunnerSteps):
             agree_on_unwritten(unwritten(self.model.module, state.meta_pending, tracker))
 
     def _publish_unpublished_checkpoint(self) -> None:
-        """Auto-resume: first publish what a killed run wrote completely in the background."""
+        """Auto-resume: first publish what a killed run of this lineage wrote completely.
+
+        (In the background, before it could rename it into place; another run's
+        leftovers in the same work dir are never published: :func:`publish_unpublished`.)
+        """
         with fail_together('looking for a checkpoint written completely but not published'):
             if is_main_process():
-                path = publish_unpublished(self.work_dir, META_FILE,
+                path = publish_unpublished(self.work_dir, META_FILE, self.checkpoint_lineage,
                                            bool(self.cfg.get(UNSAFE_SWITCH, False)))
                 if path is not None:
                     self.logger.warning(f'Auto-resume: {path} was written completely in the '

@@ -41,8 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import alone, control_group, fail_together
 from ..compat import dtensor_like
+from ..dist import before_shutdown
 from ..options import resolve_flag
-from .durable import remove_path, remove_stale_temporaries, replace_path
+from .durable import incomplete_reason, remove_path, remove_stale_temporaries, replace_path
+from .safe_io import IncompleteCheckpointError
 
 __all__ = ['BackgroundWrite', 'ShardStager', 'publish_at_exit', 'resolve_async_save',
            'run_in_background', 'write_file_in_background', 'writer_group']
@@ -197,12 +199,17 @@ class BackgroundWrite:
             sharded one when DCP has gathered every rank's result and written
             ``.metadata``, then ``mmengine.pth``. So rank 0 alone can tell that
             the checkpoint is complete (:meth:`settle`).
+        meta_file: a sharded directory's last file: set, the directory is
+            checked before it is renamed into place (every tensor held whole,
+            every shard file there and long enough: :func:`incomplete_reason`),
+            and removed instead if it is not.
 
     """
 
     def __init__(self, path: str, tmp: str, token: str, clean_tokens: Sequence[str],
-                 wait_s: float, future: Optional[concurrent.futures.Future]) -> None:
-        self.path, self.tmp, self.token = path, tmp, token
+                 wait_s: float, future: Optional[concurrent.futures.Future],
+                 meta_file: Optional[str] = None) -> None:
+        self.path, self.tmp, self.token, self.meta_file = path, tmp, token, meta_file
         self.clean_tokens = list(clean_tokens)
         self.wait_s = wait_s
         self.future = future
@@ -281,28 +288,40 @@ class BackgroundWrite:
         self._forget()
         if self.future is not None:
             concurrent.futures.wait([self.future], self.wait_s if wait_s is None else wait_s)
-        if self.rank != 0 or not os.path.lexists(self.tmp):
+        if self.rank != 0:
             return
+        succeeded = self.future.done() and self.future.exception() is None
+        if succeeded and not os.path.lexists(self.tmp):
+            return  # renamed into place by publish() before its exchange failed
+        level = logging.ERROR
         try:
             if not self.future.done():
                 message = (f'{self.path} is not published: its write was still running; '
                            f'{self.tmp} is left (the run that resumes removes it)')
-            elif self.future.exception() is not None:
+            elif not succeeded:
                 remove_path(self.tmp)
+                error = self.future.exception()
+                if isinstance(error, CheckpointException) and error.failures:
+                    error = next(iter(error.failures.values()))[0]  # DCP's wrapping: the cause
                 message = (f'{self.path} is not published: its write failed '
-                           f'({_describe(self.future.exception())}); {self.tmp} is removed')
+                           f'({_describe(error)}); {self.tmp} is removed')
             else:
                 self._rename()
                 with alone():
                     for callback in self.callbacks:
                         callback()
                 message = f'{self.path} was written completely on every rank: published'
+                level = logging.WARNING
         except Exception as e:  # noqa: BLE001 - the caller is already raising its own error
             message = f'{self.path} could not be published: {_describe(e)}'
         print_log(f'Training stopped while a checkpoint was written in the background. '
-                  f'{message}', logger='current', level=logging.WARNING)
+                  f'{message}', logger='current', level=level)
 
     def _rename(self) -> None:
+        reason = self.meta_file and incomplete_reason(self.tmp, self.meta_file)
+        if reason:  # never in place what does not hold every tensor of every rank
+            remove_path(self.tmp)
+            raise IncompleteCheckpointError(self.tmp, f'{reason}; it is removed, not published')
         replace_path(self.tmp, self.path, self.token)
         remove_stale_temporaries(os.path.dirname(os.path.abspath(self.path)), self.clean_tokens)
 
@@ -314,9 +333,12 @@ class BackgroundWrite:
 def publish_at_exit() -> None:
     """Publish the writes still in flight when the interpreter exits, their runners or not.
 
-    Registered at a write's start, after :func:`mmfsdp.dist.shutdown_at_exit`,
-    so it runs before the process group is destroyed; without a group each
-    rank settles its write alone (:meth:`BackgroundWrite.settle`).
+    Run by :func:`mmfsdp.dist.shutdown_distributed` before it destroys the
+    groups, and registered at a write's start, after
+    :func:`mmfsdp.dist.shutdown_at_exit`, so it runs before the process group is
+    destroyed at exit; without a group (the user destroyed it) each rank
+    settles its write alone (:meth:`BackgroundWrite.settle`): rank 0 publishes
+    it only if it holds every rank's shards, and logs what it does.
     """
     for write in list(_IN_FLIGHT):
         try:
@@ -330,3 +352,6 @@ def publish_at_exit() -> None:
 
 def _describe(error: BaseException) -> str:
     return f'{type(error).__name__}: {error}'
+
+
+before_shutdown(publish_at_exit)

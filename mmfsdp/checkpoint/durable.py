@@ -6,18 +6,25 @@ is ``fsync``-ed: a crash leaves at most temporaries, never a partial ``NAME``.
 The token names one run's temporaries, so clean-up deletes only what this run
 (or the run it resumed) wrote. See ``docs/checkpoints.md``.
 """
+import io
 import os
 import re
 import shutil
 import uuid
 import zipfile
-from typing import Any, Callable, Iterable, List, Optional
+from typing import IO, Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from .safe_io import IncompleteCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
+from .safe_io import (
+    IncompleteCheckpointError,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    read_member,
+)
 
-__all__ = ['find_complete_checkpoint', 'new_token', 'publish_unpublished', 'remove_path',
+__all__ = ['find_complete_checkpoint', 'incomplete_reason', 'new_token', 'publish_unpublished',
+           'remove_path',
            'remove_stale_temporaries', 'replace_path', 'save_atomically', 'temporary_path',
            'write_text_atomically']
 
@@ -130,14 +137,14 @@ def remove_stale_temporaries(directory: str, tokens: Iterable[str]) -> List[str]
     return removed
 
 
-def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) -> Optional[str]:
+def incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) -> Optional[str]:
     """Why the file or sharded directory ``path`` is incomplete (read from metadata), or None.
 
     A ``.metadata`` that safe reading refuses raises :class:`UnsafeCheckpointError`.
     """
     if not os.path.isdir(path):
         return 'it does not exist' if not os.path.isfile(path) else _zip_reason(path)
-    if not os.path.isfile(os.path.join(path, meta_file)):
+    if not os.path.lexists(os.path.join(path, meta_file)):
         return f'its {meta_file} is missing'
     try:  # the reader checks that every shard file is there and long enough
         SafeFileSystemReader(path, allow_unsafe).read_metadata()
@@ -147,13 +154,14 @@ def _incomplete_reason(path: str, meta_file: str, allow_unsafe: bool = False) ->
         return e.reason
     except Exception as e:  # noqa: BLE001 - any unreadable metadata makes it incomplete
         return f'its .metadata cannot be read ({type(e).__name__}: {e})'
-    return _zip_reason(os.path.join(path, meta_file))
+    # a regular file of the directory only (else UnsafeCheckpointError), read within its size
+    return _zip_reason(io.BytesIO(read_member(path, meta_file)))
 
 
-def _zip_reason(path: str) -> Optional[str]:
+def _zip_reason(file: Union[str, IO[bytes]]) -> Optional[str]:
     # torch.save writes a zip archive whose directory is at its end: a cut file has none
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(file) as archive:
             archive.infolist()
     except (zipfile.BadZipFile, OSError) as e:
         return f'it is truncated or not a torch.save archive ({e})'
@@ -168,7 +176,7 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
     ``iter_4.pth``). Raises ``FileNotFoundError`` naming ``path`` and its
     defect when there is none.
     """
-    reason = _incomplete_reason(path, meta_file, allow_unsafe)
+    reason = incomplete_reason(path, meta_file, allow_unsafe)
     if reason is None:
         return path
     directory, name = os.path.split(path)
@@ -181,7 +189,7 @@ def find_complete_checkpoint(path: str, meta_file: str, warn: Callable[[str], No
                             reverse=True)
     for _, candidate in candidates:
         earlier = os.path.join(directory, candidate)
-        if _incomplete_reason(earlier, meta_file, allow_unsafe) is None:
+        if incomplete_reason(earlier, meta_file, allow_unsafe) is None:
             warn(f'Auto-resume: the latest checkpoint {path} is incomplete ({reason}); '
                  f'resuming from {earlier}, the newest complete one before it')
             return earlier
@@ -197,33 +205,40 @@ def _family(name: str) -> Optional[re.Pattern]:
     return match and re.compile(re.escape(match.group(1)) + r'(\d+)' + re.escape(match.group(3)))
 
 
-def publish_unpublished(work_dir: str, meta_file: str, allow_unsafe: bool = False
-                        ) -> Optional[str]:
+def publish_unpublished(work_dir: str, meta_file: str,
+                        lineage: Callable[[str], Sequence[str]],
+                        allow_unsafe: bool = False) -> Optional[str]:
     """Publish the newest checkpoint a killed run wrote completely but had not yet renamed.
 
     A run killed after its background write ended on every rank, before it
     renamed the write into place, leaves a complete ``<token>-NAME.tmp``.
-    Auto-resume calls this (rank 0) first: the newest complete temporary of a
-    later step than the one ``last_checkpoint`` names (without it: named
-    ``iter_N.pth`` or ``epoch_N.pth`` in ``work_dir``) is renamed into place
-    and ``last_checkpoint`` repointed. Returns its path, or ``None``.
+    Auto-resume calls this (rank 0) first. Only the lineage of the checkpoint
+    ``last_checkpoint`` names may continue: ``lineage(path)`` gives its tokens
+    (the run that wrote it and the runs it resumed from), and only their
+    temporaries count, so another run's leftovers in the same work dir (a run
+    started there with ``resume=False``) are never published. Of those, the
+    newest complete one of a later step is renamed into place and
+    ``last_checkpoint`` repointed. Without ``last_checkpoint`` no lineage is
+    known and nothing is published. Returns its path, or ``None``.
     """
     pointer = os.path.join(work_dir, 'last_checkpoint')
-    latest = open(pointer).read().strip() if os.path.isfile(pointer) else None
-    directory = os.path.dirname(latest) if latest else work_dir
-    family = (_family(os.path.basename(latest)) if latest
-              else re.compile(r'(?:iter|epoch)_(\d+)\.pth'))
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        latest = f.read().strip()
+    directory, family = os.path.dirname(latest), _family(os.path.basename(latest))
     if family is None or not os.path.isdir(directory):
         return None
-    newer_than = int(family.fullmatch(os.path.basename(latest)).group(1)) if latest else -1
+    newer_than = int(family.fullmatch(os.path.basename(latest)).group(1))
+    tokens = set(lineage(latest))
     found = []
     for name in os.listdir(directory):
-        run = re.fullmatch(r'run[0-9a-f]{8}-(.+)' + re.escape(TMP_SUFFIX), name)
-        step = run and family.fullmatch(run.group(1))
+        run = re.fullmatch(r'(run[0-9a-f]{8})-(.+)' + re.escape(TMP_SUFFIX), name)
+        step = run and run.group(1) in tokens and family.fullmatch(run.group(2))
         if step and int(step.group(1)) > newer_than:
-            found.append((int(step.group(1)), name, run.group(1)))
+            found.append((int(step.group(1)), name, run.group(2)))
     for _, name, final in sorted(found, reverse=True):
-        if _incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
+        if incomplete_reason(os.path.join(directory, name), meta_file, allow_unsafe) is None:
             path = os.path.join(directory, final)
             replace_path(os.path.join(directory, name), path)
             write_text_atomically(path, pointer)

@@ -31,7 +31,7 @@ from ..options import check_keys
 from ..registry import HOOKS
 from .background import resolve_async_save
 from .durable import remove_path, replace_path, save_atomically, write_text_atomically
-from .safe_io import ENCODING_KEY, load_file
+from .safe_io import ENCODING_KEY, UNSAFE_SWITCH, load_file
 from .state import is_sharded_checkpoint, resolve_state_dict_type
 
 __all__ = ['CheckpointHook', 'DEFAULT_SAVE_TIMEOUT_S', 'EXPIRED_KEY', 'SAVE_OPTIONS',
@@ -259,7 +259,8 @@ class CheckpointHook(CheckpointHookSteps):
         _wait_for_checkpoint(runner)
         with fail_together(f'publishing {ckpt_path}'):
             if is_main_process():
-                published = publish(ckpt_path, self.published_keys)
+                published = publish(ckpt_path, self.published_keys,
+                                    bool(runner.cfg.get(UNSAFE_SWITCH, False)))
                 if published['removed']:
                     runner.logger.info(
                         f'Keys {published["removed"]} are left out of the published checkpoint: '
@@ -268,19 +269,21 @@ class CheckpointHook(CheckpointHookSteps):
                                    f'{published["path"]}.')
 
 
-def publish(path: str, published_keys: Sequence[str]) -> Dict[str, Any]:
+def publish(path: str, published_keys: Sequence[str],
+            allow_unsafe: bool = False) -> Dict[str, Any]:
     """Write ``<path without .pth>-<sha256[:8]>.pth`` with the ``published_keys`` of ``path``.
 
     ``path`` is a full file or a sharded directory (consolidated first, in one
-    process). The name carries the hash as ``torch.hub``'s ``check_hash``
-    expects. Returns ``dict(path=..., removed=[keys left out])``.
+    process), read as the run reads its checkpoints: ``allow_unsafe`` is the
+    config's ``allow_unsafe_checkpoints``. The name carries the hash as
+    ``torch.hub``'s ``check_hash`` expects. Returns ``dict(path=..., removed=[keys left out])``.
     """
     from ..consolidate import consolidate  # consolidate imports this package
     if is_sharded_checkpoint(path):
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as tmp:
-            checkpoint = consolidate(path, os.path.join(tmp, 'full.pth'))
+            checkpoint = consolidate(path, os.path.join(tmp, 'full.pth'), allow_unsafe)
     else:
-        checkpoint = load_file(path)
+        checkpoint = load_file(path, allow_unsafe)
     record = checkpoint.pop(ENCODING_KEY, {})
     removed = [k for k in checkpoint if k not in published_keys]
     checkpoint = {k: v for k, v in checkpoint.items() if k in published_keys}

@@ -34,7 +34,15 @@ from .durable import (
     temporary_path,
 )
 from .hook import DEFAULT_SAVE_TIMEOUT_S, CheckpointHook, resolve_save_timeout
-from .safe_io import UNSAFE_SWITCH, decode, encode, read_checkpoint, unsafe_values, without_code
+from .safe_io import (
+    UNSAFE_SWITCH,
+    UnsafeCheckpointError,
+    decode,
+    encode,
+    read_checkpoint,
+    unsafe_values,
+    without_code,
+)
 from .state import (
     META_FILE,
     KeyMatch,
@@ -374,6 +382,24 @@ class CheckpointMixin:
         if state.token is None:
             state.token = _from_rank0(new_token())
         return state.token, [state.token] + [t for t in state.resumed_tokens if t != state.token]
+
+    def checkpoint_lineage(self, path: str) -> List[str]:
+        """The tokens of the runs whose temporaries may continue the checkpoint at ``path``.
+
+        Its ``meta['temporary_tokens']`` (:data:`TOKENS_KEY`): the run that
+        wrote it and the runs that one resumed from. ``[]`` if it cannot be read.
+        """
+        allow_unsafe = bool(self.cfg.get(UNSAFE_SWITCH, False))
+        try:
+            checkpoint = (read_sharded_meta(path, allow_unsafe) if is_sharded_checkpoint(path)
+                          else read_checkpoint(path, allow_unsafe))
+        except UnsafeCheckpointError:
+            raise  # the user must hear it (the resume would refuse it too)
+        except Exception:  # noqa: BLE001 - missing or cut: no lineage to continue
+            return []
+        meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
+        tokens = (meta or {}).get(TOKENS_KEY) or []
+        return [t for t in tokens if isinstance(t, str)]
 
     def _complete_checkpoint(self, filename: str) -> str:
         """Rank 0 picks the checkpoint to auto-resume from; every rank gets its choice."""

@@ -12,12 +12,14 @@ values; :func:`decode` restores them exactly. See ``docs/checkpoints.md``.
 """
 import contextlib
 import contextvars
+import errno
 import io
 import os
 import pathlib
 import pickle
 import pickletools
 import re
+import stat
 import types
 import warnings
 from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
@@ -38,8 +40,8 @@ from ..compat import (
 
 __all__ = ['ENCODING_KEY', 'METADATA_GLOBALS', 'UNSAFE_SWITCH', 'IncompleteCheckpointError',
            'SafeFileSystemReader', 'UnsafeCheckpointError', 'decode', 'encode', 'load_file',
-           'load_shards', 'read_all_shards', 'read_checkpoint', 'safe_reads', 'unsafe_values',
-           'without_code']
+           'load_member', 'load_shards', 'read_all_shards', 'read_checkpoint', 'read_member',
+           'safe_reads', 'unsafe_values', 'without_code']
 
 #: The top-level config key that allows loading checkpoints that need arbitrary globals.
 UNSAFE_SWITCH = 'allow_unsafe_checkpoints'
@@ -139,6 +141,61 @@ def _is_legacy_format(file: Union[str, IO[bytes]]) -> bool:
         head = file.read(4)
         file.seek(position)
     return head[:1] == b'\x80'  # pickle's PROTO opcode; zip archives start with b'PK'
+
+
+def read_member(directory: Union[str, os.PathLike], name: str) -> bytes:
+    """The bytes of ``name``, a regular file of the checkpoint directory ``directory``.
+
+    A checkpoint directory's own files (``.metadata``, ``mmengine.pth``) are
+    read only if they are regular files in it: opened without following a
+    symbolic link and without blocking, checked with ``fstat``, and read up to
+    the size they had when opened. A symbolic link (to another run's file, to
+    ``/dev/zero``), a FIFO (whose open would wait for a writer) or a device
+    raises :class:`UnsafeCheckpointError` naming the path and what it is;
+    nothing is read from it. A missing file raises ``FileNotFoundError``.
+    """
+    path = os.path.join(os.fspath(directory), name)
+    try:  # O_NONBLOCK: opening a FIFO for reading would wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ELOOP:  # ELOOP: O_NOFOLLOW met a symbolic link
+            raise
+        raise _not_regular(path, f'a symbolic link to {os.readlink(path)}') from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path, _kind(info.st_mode))
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b''.join(chunks)
+    finally:
+        os.close(fd)
+
+
+def load_member(directory: Union[str, os.PathLike], name: str, allow_unsafe: bool = False) -> Any:
+    """:func:`load_file` of :func:`read_member` ``(directory, name)``."""
+    stream = io.BytesIO(read_member(directory, name))
+    stream.name = os.path.join(os.fspath(directory), name)  # for the messages
+    return load_file(stream, allow_unsafe)
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, 'a FIFO'), (stat.S_ISCHR, 'a character device'),
+             (stat.S_ISBLK, 'a block device'), (stat.S_ISSOCK, 'a socket'),
+             (stat.S_ISDIR, 'a directory'))
+    return next((what for test, what in kinds if test(mode)), 'not a regular file')
+
+
+def _not_regular(path: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f'{path} is {what}; mmfsdp reads only files named in the checkpoint directory itself, '
+        'and only regular files, as DCP and mmfsdp write them (whatever '
+        'allow_unsafe_checkpoints says). Nothing was read from it; put the file itself there.')
 
 
 def read_checkpoint(filename: str, allow_unsafe: Optional[bool] = None) -> Any:
@@ -251,10 +308,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     shards are tensors, which torch reads with ``weights_only=True`` anyway.
     What these refuse raises :class:`UnsafeCheckpointError`, or, with
     ``allow_unsafe``, is read as torch's own reader does, with a warning.
-    Each storage entry must name a file in the directory (a plain name, no
-    symlink out) and lie within its size; else, before any shard is opened,
-    :class:`UnsafeCheckpointError` (whatever ``allow_unsafe``: DCP writes no
-    other) or, for a missing or short file, :class:`IncompleteCheckpointError`.
+    ``.metadata`` is read only as a regular file of the directory
+    (:func:`read_member`). Each storage entry must name a regular file in the
+    directory (a plain name, no symbolic link) and lie within its size; else,
+    before any shard is opened, :class:`UnsafeCheckpointError` (whatever
+    ``allow_unsafe``: DCP writes no other) or, for a missing or short file,
+    :class:`IncompleteCheckpointError`; so does a ``.metadata`` whose chunks do
+    not hold every tensor whole (:func:`_untiled`).
     """
 
     def __init__(self, path: Union[str, os.PathLike], allow_unsafe: bool = False) -> None:
@@ -266,14 +326,17 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         """As ``FileSystemReader.read_metadata`` (a ``rank`` keyword reads the rank-local file)."""
         path = dcp_metadata_path(self, kwargs.get('rank'))
-        with open(path, 'rb') as f:
-            data = f.read()
+        data = read_member(self.path, os.path.basename(path))
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except _Rejected as e:
             self._refuse(str(path), 'the DCP metadata reader', str(e), 'to read it with pickle')
             metadata = pickle.loads(data)  # noqa: S301 - allow_unsafe: the user trusts it
         self._check_storage(metadata)
+        untiled = _untiled(metadata)
+        if untiled is not None:
+            self.refused = IncompleteCheckpointError(str(self.path), untiled)
+            raise self.refused
         if getattr(metadata, 'storage_meta', None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as torch's reader
@@ -288,8 +351,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                                     for k in ('relative_path', 'offset', 'length'))
             if not (isinstance(name, str) and name not in ('', '.', '..') and '\0' not in name
                     and name == os.path.basename(name) and type(offset) is type(length) is int
-                    and min(offset, length) >= 0
-                    and os.path.dirname(os.path.realpath(os.path.join(root, name))) == root):
+                    and min(offset, length) >= 0):
                 self.refused = UnsafeCheckpointError(
                     f'{self.path}: its .metadata places {getattr(index, "fqn", index)!r} in '
                     f'{name!r} at offset {offset}, length {length}; mmfsdp reads only files '
@@ -299,11 +361,19 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             ends[name] = max(ends.get(name, 0), offset + length)
         for name, end in sorted(ends.items()):
             file = os.path.join(root, name)
-            size = os.path.getsize(file) if os.path.isfile(file) else None
-            if size is None or size < end:
+            try:
+                info = os.lstat(file)
+            except FileNotFoundError:
+                info = None
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                self.refused = _not_regular(file, (
+                    f'a symbolic link to {os.readlink(file)}' if stat.S_ISLNK(info.st_mode)
+                    else _kind(info.st_mode)))
+                raise self.refused
+            if info is None or info.st_size < end:
                 self.refused = IncompleteCheckpointError(str(self.path), (
-                    f'its shard file {name} is missing' if size is None else
-                    f'its shard file {name} is truncated ({size} < {end} bytes)'))
+                    f'its shard file {name} is missing' if info is None else
+                    f'its shard file {name} is truncated ({info.st_size} < {end} bytes)'))
                 raise self.refused
 
     def read_data(self, plan: Any, planner: Any) -> Any:
@@ -317,6 +387,59 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             raise self.refused from None
         warnings.warn(f'Reading {name} with the full unpickler ({UNSAFE_SWITCH}=True): '
                       'unpickling can execute arbitrary code', stacklevel=3)
+
+
+def _untiled(metadata: Any) -> Optional[str]:
+    """Why ``.metadata`` does not hold every tensor whole, in words; ``None`` if it does.
+
+    Each tensor's chunks must lie within it, not overlap, add up to all of its
+    elements and each have a storage entry (an empty one needs none), and each
+    non-tensor entry must have one. A write whose ranks were not coordinated
+    (each rank's DCP wrote its own ``.metadata`` into the same directory) holds
+    one rank's chunks only.
+    """
+    storage = getattr(metadata, 'storage_data', None) or {}
+    for fqn, entry in (getattr(metadata, 'state_dict_metadata', None) or {}).items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            if dcp_metadata.MetadataIndex(fqn) not in storage:
+                return f'its .metadata stores nothing for {fqn!r}'
+            continue
+        size, covered = tuple(entry.size), 0
+        for chunk in entry.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+                return (f'its .metadata places a chunk of {fqn!r} (offsets {list(offsets)}, '
+                        f'sizes {list(sizes)}) outside the tensor ({list(size)})')
+            if _volume(sizes) and dcp_metadata.MetadataIndex(fqn, offsets) not in storage:
+                return f'its .metadata stores nothing for the chunk of {fqn!r} at {list(offsets)}'
+            covered += _volume(sizes)
+        if covered != _volume(size) or _overlapping(entry.chunks):
+            return (f'its .metadata does not hold {fqn!r} whole: its chunks cover {covered} of '
+                    f'its {_volume(size)} elements (a write whose ranks were not coordinated?)')
+    return None
+
+
+def _volume(sizes: Tuple[int, ...]) -> int:
+    volume = 1
+    for n in sizes:
+        volume *= n
+    return volume
+
+
+def _overlapping(chunks: List[Any]) -> bool:
+    """Whether two chunks share an element: a sweep along dimension 0 (FSDP shards along it)."""
+    if not chunks or not tuple(chunks[0].sizes):
+        return len(chunks) > 1  # a 0-d tensor: one chunk
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if _volume(tuple(c.sizes)))
+    active: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        active = [(o, n) for o, n in active if o[0] + n[0] > offsets[0]]
+        for o, n in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, o, n)):
+                return True
+        active.append((offsets, sizes))
+    return False
 
 
 class _WeightsOnlyEntries:

@@ -50,7 +50,7 @@ from ..optim import AnyOptimWrapper, named_optim_wrappers
 from ..options import resolve_enum
 from .background import BackgroundWrite, ShardStager, run_in_background, writer_group
 from .durable import remove_stale_temporaries, replace_path, save_atomically, temporary_path
-from .safe_io import SafeFileSystemReader, load_file, load_shards
+from .safe_io import SafeFileSystemReader, load_member, load_shards
 
 __all__ = ['META_FILE', 'KeyMatch', 'StateDictType', 'check_shared_directory',
            'checkpoint_model_shapes', 'full_state_on_rank0', 'gather_full_state',
@@ -350,22 +350,28 @@ def match_keys(model: Mapping[str, Optional[torch.Size]],
 
 
 def is_sharded_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete sharded checkpoint directory."""
-    return os.path.isfile(os.path.join(path, META_FILE))
+    """Whether ``path`` is a sharded checkpoint directory (it has a :data:`META_FILE`).
+
+    Whatever that entry is: reading it (:func:`read_sharded_meta`) refuses
+    anything but a regular file.
+    """
+    return os.path.lexists(os.path.join(path, META_FILE))
 
 
 def is_dcp_checkpoint(path: str) -> bool:
     """Whether ``path`` is a DCP directory: mmfsdp's sharded checkpoint or ``dcp.save``'s."""
-    return os.path.isfile(os.path.join(path, '.metadata'))
+    return os.path.lexists(os.path.join(path, '.metadata'))
 
 
 def read_sharded_meta(path: str, allow_unsafe: bool = False) -> Dict[str, Any]:
     """The non-shard part of a sharded checkpoint: meta, message hub, schedulers.
 
     ``{}`` for a directory torch's own ``dcp.save`` wrote (no :data:`META_FILE`).
+    Read only as a regular file of the directory (:func:`~.safe_io.read_member`).
     """
-    meta = os.path.join(path, META_FILE)
-    return load_file(meta, allow_unsafe) if os.path.isfile(meta) else {}
+    if not os.path.lexists(os.path.join(path, META_FILE)):
+        return {}
+    return load_member(path, META_FILE, allow_unsafe)
 
 
 def _model_prefix(keys: Mapping[str, Any]) -> str:
@@ -420,16 +426,56 @@ def save_sharded_in_background(path: str, model: nn.Module,
     shards, param_groups = _shards_to_write(model, optim_wrapper, extra_shards)
     meta = copy.deepcopy(_with_param_groups(extra, param_groups)) if is_main_process() else None
     staged, group = stager.stage(shards), writer_group(wait_s)
+    writer = _CoordinatedWriter(tmp)
 
     def write() -> None:
         with _single_process_is_intended():
-            dcp.save(staged, checkpoint_id=tmp, process_group=group)
+            dcp.save(staged, storage_writer=writer, process_group=group)
         if meta is not None:  # last, after every rank's shards: it marks a complete directory
             save_atomically(meta, os.path.join(tmp, META_FILE))
 
     upload = run_in_background(write)
     stager.written_by(upload)
-    return BackgroundWrite(path, tmp, token, clean_tokens, wait_s, upload)
+    return BackgroundWrite(path, tmp, token, clean_tokens, wait_s, upload, META_FILE)
+
+
+class _CoordinatedWriter(dcp.FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that refuses to write a multi-rank checkpoint uncoordinated.
+
+    ``dcp.save`` decides when it starts whether to coordinate the ranks:
+    without a default process group it writes this rank's shards alone, under
+    rank 0's file names and with a ``.metadata`` of its own, into the directory
+    every rank shares. A background write can start after its group is gone
+    (``dist.destroy_process_group()`` right after the save); then each rank
+    fails here, before writing a shard: this rank's own number and every
+    rank's plan are checked where DCP hands them over.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.expected = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
+                         else (0, 1))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up; refused if DCP numbers this rank as another (it saves alone)."""
+        if kwargs.get('rank', self.expected[0]) != self.expected[0]:
+            raise self._uncoordinated(f'rank {kwargs.get("rank")} of one')
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def prepare_global_plan(self, plans: List[Any]) -> List[Any]:
+        """DCP's global plan (the coordinator); refused unless it holds every rank's plan."""
+        if len(plans) != self.expected[1]:
+            raise self._uncoordinated(f'{len(plans)} plan(s)')
+        return super().prepare_global_plan(plans)
+
+    def _uncoordinated(self, seen: str) -> RuntimeError:
+        rank, world_size = self.expected
+        return RuntimeError(
+            f'the background write of {self.path} (rank {rank} of {world_size}) lost its process '
+            f'group before DCP coordinated the ranks (DCP saw {seen}): '
+            'dist.destroy_process_group() while it was written? Nothing is published. Publish '
+            'first: runner.wait_for_checkpoint(), or mmfsdp.dist.shutdown_distributed(), which '
+            'publishes a write in flight before it destroys the groups.')
 
 
 def _clear_temporary(path: str, token: str) -> str:

@@ -7,6 +7,7 @@ mmfsdp.consolidate``, ``EMAHook``), and DCP's pickled entries with
 ``weights_only=True``. One process: a real sharded checkpoint of a 1-process
 run with ``EMAHook``, then crafted copies of it whose unpickling creates a file.
 """
+import datetime
 import os
 import pickle
 import shutil
@@ -18,6 +19,7 @@ from typing import Callable, Dict, Optional
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mmengine.hooks import Hook
 
 from mmfsdp import FSDPRunner
 from mmfsdp.checkpoint import UnsafeCheckpointError, load_file
@@ -204,3 +206,28 @@ def test_consolidate_command_opts_in_with_its_own_flag(written, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert marker.exists()  # the user trusts this file
+
+
+class _DateInMeta(Hook):
+    """Stores a ``datetime.date`` in the checkpoint's meta, which only the full unpickler reads."""
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        checkpoint['meta']['day'] = datetime.date(2026, 12, 7)
+
+
+@pytest.mark.parametrize('kind', ['full', 'sharded'])
+def test_published_keys_read_the_checkpoint_with_the_switch_the_config_sets(tmp_path, kind):
+    """``allow_unsafe_checkpoints = True`` lets the run publish what it lets it load."""
+    cfg = checkpointing_config(str(tmp_path), FSDP1, 1, global_batch=4, max_iters=ITERS,
+                               interval=ITERS, state_dict_type=kind,
+                               allow_unsafe_checkpoints=True)
+    cfg.default_hooks.checkpoint.published_keys = ['meta', 'state_dict']
+    runner = FSDPRunner.from_cfg(cfg)
+    runner.register_hook(_DateInMeta())
+    with warnings.catch_warnings():  # the save-time warning names the date; loading warns too
+        warnings.simplefilter('ignore')
+        runner.train()
+        (published,) = [n for n in os.listdir(tmp_path) if n.startswith(f'iter_{ITERS}-')]
+        checkpoint = load_file(str(tmp_path / published), allow_unsafe=True)
+    assert checkpoint['meta']['day'] == datetime.date(2026, 12, 7)
+    assert sorted(k for k in checkpoint if k != 'mmfsdp_encoding') == ['meta', 'state_dict']

@@ -74,9 +74,15 @@ def test_temporaries_carry_the_token(tmp_path):
         tmp_path / 'runa-iter_2.pth.old.tmp')
 
 
+def _lineage(*tokens: str):
+    """The ``lineage`` of :func:`publish_unpublished`: ``tokens`` for whatever checkpoint."""
+    return lambda path: list(tokens)
+
+
 def test_auto_resume_publishes_the_newest_complete_temporary_a_killed_run_left(tmp_path):
-    """Complete and newer than ``last_checkpoint``: renamed into place and pointed at; a cut
-    write, an older step, a best checkpoint and a name no run of ours writes stay as they are."""
+    """Complete, newer than ``last_checkpoint`` and of its lineage: renamed into place and
+    pointed at; a cut write, an older step, a best checkpoint and a name no run of ours writes
+    stay as they are."""
     (tmp_path / 'iter_2.pth').write_bytes(b'')
     (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_2.pth'))
     torch.save({'step': 4}, tmp_path / 'run0123abcd-iter_4.pth.tmp')
@@ -86,22 +92,49 @@ def test_auto_resume_publishes_the_newest_complete_temporary_a_killed_run_left(t
     torch.save({}, tmp_path / 'run0123abcd-iter_1.pth.tmp')
     torch.save({}, tmp_path / 'run0123abcd-best_acc_iter_9.pth.tmp')
     torch.save({}, tmp_path / 'mine-iter_9.pth.tmp')
-    assert publish_unpublished(str(tmp_path), 'mmengine.pth') == str(tmp_path / 'iter_6.pth')
+    lineage = _lineage('run0123abcd')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', lineage) == str(
+        tmp_path / 'iter_6.pth')
     assert torch.load(tmp_path / 'iter_6.pth') == {'step': 6}
     assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'iter_6.pth')
     assert sorted(os.listdir(tmp_path)) == [
         'iter_2.pth', 'iter_6.pth', 'last_checkpoint', 'mine-iter_9.pth.tmp',
         'run0123abcd-best_acc_iter_9.pth.tmp', 'run0123abcd-iter_1.pth.tmp',
         'run0123abcd-iter_4.pth.tmp', 'run0123abcd-iter_8.pth.tmp']
-    assert publish_unpublished(str(tmp_path), 'mmengine.pth') is None  # nothing newer now
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', lineage) is None  # none newer
 
 
-def test_without_last_checkpoint_a_complete_sharded_temporary_is_published(tmp_path):
-    """The killed run's first save was its background one: nothing names a checkpoint yet."""
+def test_another_runs_complete_temporary_is_never_published(tmp_path):
+    """Run ``runaaaaaaaa`` was killed after writing iter_8; run ``runbbbbbbbb`` (started with
+    ``resume=False`` in the same work dir) saved iter_2, which ``last_checkpoint`` names."""
+    (tmp_path / 'iter_2.pth').write_bytes(b'')
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_2.pth'))
+    torch.save({'step': 8}, tmp_path / 'runaaaaaaaa-iter_8.pth.tmp')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', _lineage('runbbbbbbbb')) is None
+    assert sorted(os.listdir(tmp_path)) == ['iter_2.pth', 'last_checkpoint',
+                                            'runaaaaaaaa-iter_8.pth.tmp']
+    # the run that resumed run a's lineage (its checkpoint names both tokens) publishes it
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth',
+                               _lineage('runcccccccc', 'runaaaaaaaa')) == str(
+        tmp_path / 'iter_8.pth')
+
+
+def test_a_complete_sharded_temporary_of_the_lineage_is_published(tmp_path):
     import torch.distributed.checkpoint as dcp
+    (tmp_path / 'iter_0.pth').write_bytes(b'')
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_0.pth'))
     tmp = tmp_path / 'run0123abcd-iter_2.pth.tmp'
     dcp.save({'w': torch.ones(3)}, checkpoint_id=str(tmp), no_dist=True)
-    assert publish_unpublished(str(tmp_path), 'mmengine.pth') is None  # no mmengine.pth: cut
+    lineage = _lineage('run0123abcd')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', lineage) is None  # no mmengine.pth
     torch.save({'meta': {}}, tmp / 'mmengine.pth')
-    assert publish_unpublished(str(tmp_path), 'mmengine.pth') == str(tmp_path / 'iter_2.pth')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', lineage) == str(
+        tmp_path / 'iter_2.pth')
     assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'iter_2.pth')
+
+
+def test_without_last_checkpoint_no_temporary_is_published(tmp_path):
+    """Nothing names a lineage: the temporary may be any run's (it is left as it is)."""
+    torch.save({'step': 2}, tmp_path / 'run0123abcd-iter_2.pth.tmp')
+    assert publish_unpublished(str(tmp_path), 'mmengine.pth', _lineage('run0123abcd')) is None
+    assert os.listdir(tmp_path) == ['run0123abcd-iter_2.pth.tmp']

@@ -231,6 +231,18 @@ def test_an_entry_past_the_end_of_its_file_is_refused_before_any_read(two_checkp
     assert opened and all(name.endswith('.metadata') for name in opened), opened
 
 
+def test_metadata_holding_part_of_a_tensor_is_incomplete_before_any_read(two_checkpoints):
+    """What each rank of a write whose process group was gone wrote: its own chunks only."""
+    path = two_checkpoints['mine']
+    metadata = SafeFileSystemReader(path).read_metadata()
+    metadata.state_dict_metadata['w'].size = torch.Size([8])  # the other rank's half is absent
+    (path / '.metadata').write_bytes(pickle.dumps(metadata))
+    with _opened() as opened, pytest.raises(
+            IncompleteCheckpointError, match="does not hold 'w' whole: its chunks cover 4 of"):
+        load_shards(dict(w=torch.zeros(8)), str(path))
+    assert opened and all(name.endswith('.metadata') for name in opened), opened
+
+
 def test_entries_inside_the_directory_still_load(two_checkpoints):
     loaded = dict(w=torch.full((4,), 7.0))
     load_shards(loaded, str(two_checkpoints['other']))
