@@ -49,8 +49,9 @@ def _reads(root: str) -> dict:
                 f.write(path)
         dist.barrier()
         out[case] = {
-            'auto-resume': raised(lambda: _runner(work_dir, resume=True).train()),
-            'load_from': raised(lambda: _runner(f'{root}/{case}-loaded', load_from=path).train()),
+            'auto-resume': raised(lambda w=work_dir: _runner(w, resume=True).train()),
+            'load_from': raised(lambda w=f'{root}/{case}-loaded', p=path: _runner(
+                w, load_from=p).train()),
         }
     return out
 
