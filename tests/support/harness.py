@@ -10,6 +10,13 @@ so that each collective also times out on its own.
 
 Tests batch several checks into one call: starting interpreters is the cost.
 
+``RankPool(world_size)`` keeps such ranks alive between calls, for tiers that
+run many short cases (tests/differential): the process group is started once,
+each ``pool.run(fn, *args)`` runs ``fn`` on every rank under the same deadline
+and rules, and a call that fails, hangs or ends the process group restarts the
+pool for the next one. ``RankPool(1, process_group=False)`` is one plain
+process (a stock single-process reference).
+
 ``run_job(cmd, env=job_env(...))`` runs a whole job the way a user starts it
 (``tools/dist_train.sh``, ``torchrun``, a third-party ``train.py``) in its own
 session under a deadline; a job past it is killed with all its processes.
@@ -18,8 +25,10 @@ The small comparisons the checks share (:func:`max_abs_diff`,
 :func:`scalar_history`, :func:`raised`) live here too, so that every test
 measures "equal to one process" the same way.
 """
+import io
 import multiprocessing
 import os
+import queue
 import socket
 import sys
 import tempfile
@@ -35,8 +44,8 @@ from job import Job
 from mmfsdp.dist import shutdown_distributed
 
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO', 'SUPPORT',
-           'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
-           'scalar_history']
+           'RankPool', 'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed',
+           'run_job', 'scalar_history']
 
 #: The repository root: the working directory of the documented launch commands.
 REPO = Path(__file__).resolve().parents[2]
@@ -105,6 +114,120 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         if failed:
             raise AssertionError(f'ranks exited with codes {failed}')
         return [torch.load(os.path.join(out_dir, f'{r}.pt')) for r in range(world_size)]
+
+
+def _pool_entry(rank: int, world_size: int, port: Optional[int], inbox: Any, outbox: Any) -> None:
+    """A pool rank: start the process group once, then run what the driver sends until ``None``."""
+    import datetime
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if port is not None:
+        os.environ.update(
+            MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+        dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        for job in iter(inbox.get, None):
+            fn, args = job
+            try:
+                reply = ('ok', fn(*args))
+            except BaseException:  # noqa: BLE001 - the driver reports whatever a rank raised
+                reply = ('raised', traceback.format_exc())
+            buffer = io.BytesIO()
+            torch.save(reply, buffer)  # tensors by value: no shared-memory handles per call
+            ended = port is not None and not dist.is_initialized()
+            outbox.put((rank, buffer.getvalue(), ended))
+            if ended:
+                break  # the call ended the process group: leave (atexit work runs), restart
+    finally:
+        shutdown_distributed()
+
+
+class RankPool:
+    """``world_size`` ranks kept alive between calls (see the module docstring).
+
+    ``run`` returns the results by rank, or raises as :func:`run_distributed`
+    does (a rank's traceback, a deadline passed); after any failure, and after a
+    call that destroyed the process group, the ranks are stopped and the next
+    ``run`` starts fresh ones. ``restarts`` counts the starts.
+    """
+
+    def __init__(self, world_size: int, process_group: bool = True) -> None:
+        self.world_size, self.process_group = world_size, process_group
+        self.procs: List[Any] = []
+        self.restarts = 0
+
+    def _start(self) -> None:
+        sys.audit('harness.run_distributed', self.world_size)  # tests/unit refuses it
+        ctx = multiprocessing.get_context('spawn')
+        port = free_port() if self.process_group else None
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = [ctx.Process(target=_pool_entry, daemon=True,
+                                  args=(r, self.world_size, port, self.inboxes[r], self.outbox))
+                      for r in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+        self.restarts += 1
+
+    def close(self, grace: float = 10.0) -> bool:
+        """Stop the ranks (``None`` to each, then kill the rest); True if all left themselves."""
+        for inbox, p in zip(getattr(self, 'inboxes', []), self.procs):
+            if p.is_alive():
+                inbox.put(None)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        clean = not any(p.is_alive() for p in self.procs)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs = []
+        return clean
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120) -> List[Any]:
+        """Run ``fn(*args)`` on every rank; return the results, rank 0 first."""
+        self.submit(fn, *args)
+        return self.collect(timeout)
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        """Start ``fn(*args)`` on every rank and return at once (:meth:`collect` waits)."""
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.close(grace=0)
+            self._start()
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+
+    def collect(self, timeout: float = 120) -> List[Any]:
+        """The results of the call :meth:`submit` started, as :meth:`run` returns them."""
+        deadline = time.monotonic() + timeout
+        replies: Dict[int, Tuple[str, Any]] = {}
+        ended = False
+        while len(replies) < self.world_size:
+            wait = deadline - time.monotonic()
+            if replies and any(kind == 'raised' for kind, _ in replies.values()):
+                wait = min(wait, 5.0)  # the others are likely stuck in a collective it left
+            try:
+                rank, payload, group_ended = self.outbox.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                break
+            replies[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            ended = ended or group_ended
+        errors = {r: v for r, (kind, v) in sorted(replies.items()) if kind == 'raised'}
+        if errors or len(replies) < self.world_size:
+            self.close(grace=0)
+        elif ended:
+            self.close()  # the call ended the process group: let them exit and publish
+        if errors:
+            silent = sorted(set(range(self.world_size)) - set(replies))
+            raise AssertionError('\n'.join(f'--- rank {r} raised:\n{e}' for r, e in errors.items())
+                                 + (f'\n--- ranks {silent} did not return' if silent else ''))
+        if len(replies) < self.world_size:
+            hung = sorted(set(range(self.world_size)) - set(replies))
+            raise TimeoutError(f'ranks {hung} still running after {timeout} s (a hung collective?)')
+        return [replies[r][1] for r in range(self.world_size)]
 
 
 #: A job's deadline: starting the interpreters dominates, each job trains a few seconds.
