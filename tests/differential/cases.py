@@ -34,8 +34,21 @@ WORLD_SIZE, PER_RANK_BATCH, MAX_ITERS = 2, 2, 6
 #: per step from step 2, as torch's own fully_shard).
 STOCK_TOL = 2e-5
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
-UNITS = dict(transformer=BLOCKS, size_based=dict(type='size_based', min_num_params=300),
-             auto='auto')
+#: The models: their config, and the class of their repeated blocks.
+MODELS = dict(
+    toy=(dict(type='ToyClassifier'), 'ToyBlock'),
+    # mmfsdp's demo GPT, tiny: tied embeddings (one FSDP2 group), attention, next-byte targets
+    gpt=(dict(type='mmfsdp.GPT', vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16),
+         'TransformerBlock'),
+)
+
+
+def _units(case: 'Case') -> Any:
+    if case.units == 'transformer':
+        return dict(type='transformer', layer_cls=[MODELS[case.model][1]])
+    if case.units == 'size_based':
+        return dict(type='size_based', min_num_params=300)
+    return case.units
 WRAPPERS = {
     'ddp': dict(type='mmfsdp.MMDistributedDataParallel'),
     'fsdp1': dict(type='mmfsdp.MMFullyShardedDataParallel'),
@@ -68,8 +81,9 @@ class Case:
     """One draw. A field at its default is an axis left alone (what shrinking resets to)."""
 
     seed: int
+    model: str = 'toy'                  # MODELS
     wrapper: str = 'ddp'
-    units: str = 'transformer'          # sharded wrappers: UNITS
+    units: str = 'transformer'          # sharded wrappers: transformer | size_based | auto
     precision: str = 'fp32'             # fp32 | bf16 | bf16-reduce-fp32 | amp-fp16 | amp-bf16
     accumulate: int = 1                 # optim_wrapper.accumulative_counts
     accumulation: str = 'sharded'       # sharded | unsharded | hybrid (FSDP2)
@@ -122,7 +136,7 @@ def draw(seed: int) -> Case:
     c['wrapper'] = pick(sorted(WRAPPERS))
     sharded = c['wrapper'] != 'ddp'
     if sharded:
-        c['units'] = pick(sorted(UNITS))
+        c['units'] = pick(['auto', 'size_based', 'transformer'])
     c['precision'] = pick(['fp32', 'amp-fp16', 'amp-bf16']
                           + (['bf16', 'bf16-reduce-fp32'] if sharded else []))
     c['accumulate'] = pick([1, 2, 3])
@@ -140,6 +154,7 @@ def draw(seed: int) -> Case:
         c['ckpt_format'] = pick(['full', 'sharded'])
         c['ckpt_async'] = rng.random() < 0.5
         c['ckpt_interval'] = rng.randint(1, MAX_ITERS - 1)
+    c['model'] = pick(sorted(MODELS))  # drawn last: the seeds recorded before it kept their axes
     case = dataclasses.replace(Case(seed), **c)
     return canonical(case)
 
@@ -155,6 +170,8 @@ def canonical(case: Case) -> Case:
             fix['precision'] = 'fp32'
     if case.accumulate == 1:
         fix['accumulation'] = default.accumulation
+    if case.clip == 'frozen' and case.model != 'toy':
+        fix['clip'] = 'norm'  # the frozen variant is the toy's (FrozenBackboneClassifier)
     if case.accumulation == 'hybrid' and not case.wrapper.startswith('fsdp2'):
         fix['accumulation'] = default.accumulation
     if case.evaluation in ('none', 'val-first'):
@@ -191,21 +208,29 @@ def _optim_wrapper(case: Case, amp: bool) -> dict:
 def _model_wrapper(case: Case) -> dict:
     wrapper = dict(WRAPPERS[case.wrapper])
     if case.wrapper != 'ddp':
-        wrapper['auto_wrap_policy'] = UNITS[case.units]
+        wrapper['auto_wrap_policy'] = _units(case)
         if case.precision in PRECISIONS and PRECISIONS[case.precision] is not None:
             wrapper['mixed_precision'] = PRECISIONS[case.precision]
         if case.accumulate > 1:
             wrapper['accumulation'] = case.accumulation
     if case.checkpointing != 'none':
-        wrapper['activation_checkpointing'] = dict(layer_cls=['ToyBlock'], **(
+        wrapper['activation_checkpointing'] = dict(layer_cls=[MODELS[case.model][1]], **(
             dict(mode='selective') if case.checkpointing == 'selective' else {}))
     return wrapper
 
 
 def _common(cfg: dict, case: Case, variant: str) -> dict:
     """What the distributed run and the stock run share: model, evaluation, hooks."""
+    cfg['model'] = dict(MODELS[case.model][0])
     if case.clip == 'frozen':
         cfg['model'] = dict(type='FrozenBackboneClassifier')
+    if case.model == 'gpt':
+        text = dict(type='mmfsdp.StdlibCharDataset', block_size=8, max_chars=20000)
+        cfg['train_dataloader']['dataset'] = dict(text, split='train')
+        for split in ('val', 'test'):
+            if f'{split}_dataloader' in cfg:
+                cfg[f'{split}_dataloader']['dataset'] = dict(text, split='val', num_samples=22)
+                cfg[f'{split}_evaluator'] = dict(type='mmfsdp.Perplexity')
     cfg['custom_imports'] = dict(imports=['toy', 'contract_models'], allow_failed_imports=False)
     hooks = [dict(type='EMAHook', momentum=0.2)] if case.ema else []
     evaluates = variant == 'eval'
@@ -362,7 +387,10 @@ def run_case(case: Case, root: str, tag: str) -> Optional[Dict[str, Any]]:
             cfg.update(load_from=_checkpoint_at(os.path.join(root, 'base'), case.ckpt_interval),
                        resume=True)
         if case.refusal != 'none':
-            out['refused'] = raised(lambda c=cfg: FSDPRunner.from_cfg(Config(c)).train())
+            from collectives import CollectiveCounter
+            with CollectiveCounter() as counter:
+                out['refused'] = raised(lambda c=cfg: FSDPRunner.from_cfg(Config(c)).train())
+            out['collectives'] = sum(op['calls'] for op in counter.snapshot()['by_op'].values())
             return out
         runner = FSDPRunner.from_cfg(Config(cfg))
         live = None
@@ -406,13 +434,13 @@ def stock_key(case: Case) -> Case:
     return canonical(dataclasses.replace(
         case, seed=0, wrapper='ddp', precision='fp32', checkpointing='none', checkpoint='none',
         ds_stage=3, state_dict_cfg=None,
-        ds_clipping=bool(case.ds_clipping) or None))
+        ds_clipping=case.ds_clipping or None))  # DeepSpeed's 0: no clipping, as absent
 
 
 # ------------------------------------------------------------------------------------ oracles
 
 def _published(path: str) -> Dict[str, torch.Tensor]:
-    """The model state of a published checkpoint, read without a process group."""
+    """The trained model state of a published checkpoint, read without a process group."""
     from mmfsdp.consolidate import consolidate
     logging.getLogger('c10d-NullHandler-dcp_logger').setLevel(logging.WARNING)  # DCP's per-call
     if os.path.isdir(path):
@@ -420,15 +448,18 @@ def _published(path: str) -> Dict[str, torch.Tensor]:
             checkpoint = consolidate(path, os.path.join(tmp, 'full.pth'))
     else:
         checkpoint = torch.load(path, map_location='cpu', weights_only=True)
-    return checkpoint['state_dict']
+    # EMAHook's convention: state_dict holds the averages, ema_state_dict the trained weights
+    trained = {k[len('module.'):]: v for k, v in checkpoint.get('ema_state_dict', {}).items()
+               if k.startswith('module.')}
+    return dict(checkpoint['state_dict'], **trained)
 
 
 def _loads_into_plain_model(case: Case, state: Dict[str, torch.Tensor]) -> Optional[str]:
-    from mmengine.registry import MODELS
+    from mmengine.registry import MODELS as REGISTRY
 
     import contract_models  # noqa: F401
-    model = MODELS.build(dict(type='FrozenBackboneClassifier' if case.clip == 'frozen'
-                              else 'ToyClassifier'))
+    model = REGISTRY.build(dict(type='FrozenBackboneClassifier') if case.clip == 'frozen'
+                         else MODELS[case.model][0])
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -446,6 +477,10 @@ def judge(case: Case, ranks: Dict[str, Any], stock: Optional[Dict[str, Any]]) ->
             failures.append(f'refusal: {case.refusal} trained instead of being refused')
         elif len(errors) > 1:
             failures.append(f'refusal: the ranks raised different errors: {sorted(errors)}')
+        elif any(r['collectives'] for r in ranks['by_rank']):
+            failures.append('refusal: refused after collectives ('
+                            + ', '.join(str(r['collectives']) for r in ranks['by_rank'])
+                            + f' by rank): {kind}: {message}')
         elif REFUSALS[case.refusal][1] not in message:
             failures.append(f'refusal: the error does not name {REFUSALS[case.refusal][1]!r}: '
                             f'{kind}: {message}')
