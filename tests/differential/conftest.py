@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 
@@ -44,6 +44,16 @@ def settings() -> Settings:
                     budget_s=float(env('MMFSDP_DIFF_BUDGET_S', '180')),
                     shrink_s=float(env('MMFSDP_DIFF_SHRINK_S', '240')),
                     out=Path(env('MMFSDP_DIFF_OUT', str(REPO / 'differential-failures'))))
+
+
+#: Lines the tier adds to pytest's terminal summary (the seed, the cases run): shown without
+#: ``-s`` and whether the test passed or failed, so every CI log says how to rerun its draw.
+SUMMARY: List[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope='session')

@@ -15,7 +15,6 @@ that file.
 """
 import dataclasses
 import itertools
-import os
 import re
 import time
 from typing import Dict, List, Optional, Tuple
@@ -33,7 +32,7 @@ from differential.cases import (
     run_stock,
     stock_key,
 )
-from differential.conftest import settings
+from differential.conftest import SUMMARY, settings
 
 pytestmark = pytest.mark.differential
 
@@ -162,8 +161,12 @@ def test_random_draws_hold_every_oracle(rank_pool, stock_pool, tmp_path):
         if got:
             found.setdefault(signature(got), (case, got))
     elapsed = time.monotonic() - start
-    print(f'{n} cases in {elapsed:.0f} s ({elapsed / max(n, 1):.1f} s per case, '
-          f'{rank_pool.restarts} pool starts); {len(found)} distinct failures')
+    done = (f'{n} cases in {elapsed:.0f} s ({elapsed / max(n, 1):.1f} s per case, '
+            f'{rank_pool.restarts} pool starts); {len(found)} distinct failures')
+    print(done)
+    rerun = (f'MMFSDP_DIFF_SEEDS={",".join(map(str, s.seeds))}' if s.seeds else
+             f'MMFSDP_DIFF_SEED={s.seed} MMFSDP_DIFF_CASES={n}')
+    SUMMARY.append(f'differential tier: {done}; rerun: {rerun} pytest -q tests/differential')
     report = []
     shrink_deadline = time.monotonic() + s.shrink_s
     for failing, (case, got) in found.items():
@@ -175,6 +178,3 @@ def test_random_draws_hold_every_oracle(rank_pool, stock_pool, tmp_path):
     assert not found, (f'{len(found)} distinct failures (rerun one: MMFSDP_DIFF_SEED=<seed> '
                        'MMFSDP_DIFF_CASES=1 pytest -q tests/differential):\n'
                        + '\n'.join(report))
-    if os.environ.get('MMFSDP_DIFF_SEED') is None:
-        print(f'rerun this draw: MMFSDP_DIFF_SEED={s.seed} MMFSDP_DIFF_CASES={n} '
-              'pytest -q tests/differential')
