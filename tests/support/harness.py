@@ -16,6 +16,12 @@ its interpreters, and so does ``fresh=True``, for a test about the process itsel
 (what it registers at exit); ``MMFSDP_TEST_FRESH_RANKS=1`` starts new interpreters
 for every run.
 
+``start_distributed`` starts such a run and returns at once (its ``result()``
+waits), so that a caller can work beside the ranks: the differential tier
+(tests/differential) runs the stock one-process reference while its 2 ranks
+train. A rank that raised gives the others a few seconds more, not the whole
+deadline (they may wait in a collective it left).
+
 ``run_job(cmd, env=job_env(...))`` runs a whole job the way a user starts it
 (``tools/dist_train.sh``, ``torchrun``, a third-party ``train.py``) in its own
 session under a deadline; a job past it is killed with all its processes.
@@ -43,8 +49,8 @@ from job import Job
 from mmfsdp.dist import shutdown_distributed
 
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'DIST_CFG', 'JOB_TIMEOUT_S', 'LAUNCHER_VARS', 'REPO', 'SUPPORT',
-           'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed', 'run_job',
-           'scalar_history']
+           'free_port', 'job_env', 'max_abs_diff', 'raised', 'run_distributed',
+           'run_job', 'scalar_history', 'start_distributed']
 
 #: The repository root: the working directory of the documented launch commands.
 REPO = Path(__file__).resolve().parents[2]
@@ -135,12 +141,17 @@ class _Ranks:
     def usable(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, args: tuple, out_dir: str, timeout: float) -> List[int]:
-        """Send the run to every rank; return the ranks still running at ``timeout``."""
+    def send(self, fn: Callable, args: tuple, out_dir: str) -> None:
+        """Start ``fn(*args)`` on every rank, on a fresh port."""
         port = free_port()
         for pipe in self.pipes:
             pipe.send((port, out_dir, fn, args))
-        deadline = time.monotonic() + timeout
+
+    def wait(self, out_dir: str, deadline: float) -> List[int]:
+        """Wait for the run :meth:`send` started; return the ranks still running at the end.
+
+        Once a rank has raised, the others get :data:`AFTER_A_RAISE_S` more.
+        """
         waiting = dict(zip(self.pipes, range(len(self.pipes))))
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         while waiting:
@@ -154,6 +165,8 @@ class _Ranks:
                     del sentinels[ready_one]
                 elif ready_one in waiting:
                     ready_one.recv()
+                    if os.path.exists(os.path.join(out_dir, f'{waiting[ready_one]}.err')):
+                        deadline = min(deadline, time.monotonic() + AFTER_A_RAISE_S)
                     del waiting[ready_one]
         return sorted(r for r in waiting.values() if self.procs[r].is_alive())
 
@@ -169,12 +182,60 @@ class _Ranks:
 
 #: The kept interpreters, by world size.
 _KEPT: Dict[int, _Ranks] = {}
+#: Once a rank has raised, the seconds the others get to finish.
+AFTER_A_RAISE_S = 5.0
 
 
 @atexit.register
 def _close_kept_ranks() -> None:
     while _KEPT:
         _KEPT.popitem()[1].close()
+
+
+class Run:
+    """A run started by :func:`start_distributed`; :meth:`result` waits for it."""
+
+    def __init__(self, fn: Callable, world_size: int, args: tuple, timeout: float,
+                 fresh: bool) -> None:
+        sys.audit('harness.run_distributed', world_size)  # tests/unit refuses it
+        self.world_size, self.fresh = world_size, fresh or FRESH_RANKS
+        self.deadline, self.timeout = time.monotonic() + timeout, timeout
+        ranks = _KEPT.pop(world_size, None)
+        if ranks is None or not ranks.usable():
+            if ranks is not None:
+                ranks.close()
+            ranks = _Ranks(world_size)
+        self.ranks, self.out = ranks, tempfile.TemporaryDirectory()
+        ranks.send(fn, args, self.out.name)
+
+    def result(self) -> List[Any]:
+        """The results by rank, rank 0 first; or the failure, as :func:`run_distributed`."""
+        ranks, out_dir = self.ranks, self.out.name
+        with self.out:
+            hung = ranks.wait(out_dir, self.deadline)
+            errors = {r: open(os.path.join(out_dir, f'{r}.err')).read()
+                      for r in range(self.world_size)
+                      if os.path.exists(os.path.join(out_dir, f'{r}.err'))}
+            died = {r: p.exitcode for r, p in enumerate(ranks.procs) if not p.is_alive()}
+            if self.fresh or hung or errors or died:
+                ranks.close()  # kills the hung ones
+            else:
+                _KEPT.setdefault(self.world_size, ranks)
+            if errors:
+                raise AssertionError('\n'.join(f'--- rank {r} raised:\n{e}'
+                                                for r, e in errors.items()))
+            if hung:
+                raise TimeoutError(f'ranks {hung} still running after {self.timeout} s '
+                                   '(a hung collective?)')
+            if died:
+                raise AssertionError(f'ranks exited with codes {died}')
+            return [torch.load(os.path.join(out_dir, f'{r}.pt')) for r in range(self.world_size)]
+
+
+def start_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
+                      fresh: bool = False) -> Run:
+    """Start ``fn(*args)`` on ``world_size`` ranks; return at once (:func:`run_distributed`)."""
+    return Run(fn, world_size, args, timeout, fresh)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
@@ -185,28 +246,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return tensors, numbers, strings, or lists / dicts of them. The ranks'
     interpreters are reused across runs unless ``fresh`` (module docstring).
     """
-    sys.audit('harness.run_distributed', world_size)  # tests/unit refuses it
-    ranks = _KEPT.pop(world_size, None)
-    if ranks is None or not ranks.usable():
-        if ranks is not None:
-            ranks.close()
-        ranks = _Ranks(world_size)
-    with tempfile.TemporaryDirectory() as out_dir:
-        hung = ranks.run(fn, args, out_dir, timeout)
-        errors = {r: open(os.path.join(out_dir, f'{r}.err')).read()
-                  for r in range(world_size) if os.path.exists(os.path.join(out_dir, f'{r}.err'))}
-        died = {r: p.exitcode for r, p in enumerate(ranks.procs) if not p.is_alive()}
-        if fresh or FRESH_RANKS or hung or errors or died:
-            ranks.close()  # kills the hung ones
-        else:
-            _KEPT[world_size] = ranks
-        if errors:
-            raise AssertionError('\n'.join(f'--- rank {r} raised:\n{e}' for r, e in errors.items()))
-        if hung:
-            raise TimeoutError(f'ranks {hung} still running after {timeout} s (a hung collective?)')
-        if died:
-            raise AssertionError(f'ranks exited with codes {died}')
-        return [torch.load(os.path.join(out_dir, f'{r}.pt')) for r in range(world_size)]
+    return start_distributed(fn, world_size, *args, timeout=timeout, fresh=fresh).result()
 
 
 #: A job's deadline: starting the interpreters dominates, each job trains a few seconds.

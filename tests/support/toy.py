@@ -141,6 +141,25 @@ class NormRecorder(Hook):
                              for name, b in unwrapped_named_buffers(runner.model)})
 
 
+@HOOKS.register_module()
+class ValStepHook(Hook):
+    """Calls ``runner.model.val_step`` on the training batch after iteration ``at`` (1-based).
+
+    A hook that evaluates inside the training loop, mid-epoch and possibly mid-accumulation, as
+    visualisation hooks of OpenMMLab codebases do; the batch is the one just trained on, so no
+    loader is iterated (and no random number drawn).
+    """
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None:
+        if runner.iter + 1 == self.at:
+            with torch.no_grad():
+                runner.model.val_step(data_batch)
+
+
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module()
 class DecayByDepth:
     """Layer-wise lr decay (the role of mmpretrain's ``LearningRateDecayOptimWrapperConstructor``).
