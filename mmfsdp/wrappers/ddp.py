@@ -50,6 +50,13 @@ class DDPConfig(WrapperConfig):
         before wrapping anyway, so the buffers that training starts from are
         the same.
         """
+        if cfg.get('mixed_precision') is not None:  # torch's DDP takes a private dataclass
+            raise ValueError(
+                f"model_wrapper_cfg.mixed_precision={cfg['mixed_precision']!r}: "
+                f'{NAME} keeps fp32 parameters and gradients. For mixed precision under DDP use '
+                "optim_wrapper=dict(type='mmfsdp.AmpOptimWrapper', dtype='bfloat16') (autocast, "
+                "as mmengine's AMP), or a sharded wrapper ('mmfsdp.MMFullyShard', "
+                "'mmfsdp.MMFullyShardedDataParallel'), which take mixed_precision")
         valid = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
                  if n not in _DERIVED]
         check_keys(cfg, valid + list(_OURS), 'model_wrapper_cfg')

@@ -76,3 +76,12 @@ def test_ddp_options_resolve_through_the_base_config():
         resolve_wrapper(dict(type=ddp, detect_anomalous_params='yes'))
     with pytest.raises(TypeError, match="unknown key 'static_grap' \\(did you mean 'static_graph'"):
         resolve_wrapper(dict(type=ddp, static_grap=True))
+
+
+def test_ddp_refuses_mixed_precision_at_resolve_naming_what_to_use():
+    """torch's DDP takes a private mixed_precision dataclass; the config's dict reached it and
+    failed after the first collectives ('dict' object has no attribute 'param_dtype')."""
+    with pytest.raises(ValueError, match="model_wrapper_cfg.mixed_precision=.*keeps fp32 "
+                                         ".*mmfsdp.AmpOptimWrapper"):
+        resolve_wrapper(dict(type='mmfsdp.MMDistributedDataParallel',
+                             mixed_precision=dict(param_dtype='bf16')))
