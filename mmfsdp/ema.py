@@ -116,7 +116,7 @@ class _LocalShards:
     def __init__(self, model: nn.Module, averaged: nn.Module, update_buffers: bool) -> None:
         self.tensors = _source_tensors(model, update_buffers)
         self._buffers = dict(unwrapped_named_buffers(model))
-        self._order = [name for name, _ in averaged.named_buffers()]
+        self._order = [name for name, _ in unwrapped_named_buffers(averaged)]
 
     def named_parameters(self) -> Iterator:
         return iter(self.tensors.items())
@@ -188,10 +188,10 @@ class EMAHook(MMEngineEMAHook):
 
     def _averaged_tensors(self) -> Dict[str, torch.Tensor]:
         """The local tensors of ``ema_model.module`` that are averaged, by name."""
-        module = self.ema_model.module
-        out = {name: _local(p) for name, p in module.named_parameters()}
+        module = self.ema_model.module  # a copy of the model keeps its layers' wrappers
+        out = {name: _local(p) for name, p in unwrapped_named_parameters(module)}
         if self.ema_model.update_buffers:
-            out.update({name: _local(b) for name, b in module.named_buffers()})
+            out.update({name: _local(b) for name, b in unwrapped_named_buffers(module)})
         return out
 
     def _materialise(self, runner: Any) -> None:
@@ -212,7 +212,7 @@ class EMAHook(MMEngineEMAHook):
         with torch.no_grad():
             for key, averaged in self._averaged.items():
                 averaged.copy_(sources[key])
-            for name, buffer in self.ema_model.module.named_buffers():
+            for name, buffer in unwrapped_named_buffers(self.ema_model.module):
                 buffer.copy_(_local(buffers[name]))
         self.ema_model.avg_parameters = self._averaged
 

@@ -45,6 +45,9 @@ ACCUMULATE_RUNS = {'ddp': DDP,
 CHECKPOINT_RUNS = [('fsdp1', 'full'), ('fsdp1', 'sharded'), ('fsdp2', 'full'),
                    ('fsdp2', 'sharded'), ('ddp', 'sharded')]
 PER_RANK_BATCH, WORLD_SIZE, HALF, TOTAL = 4, 2, 3, 6
+#: DDP with its blocks wrapped for activation checkpointing, in place: a copy of the model
+#: (the averaged one) keeps the wrappers' names.
+CHECKPOINTED_DDP = dict(DDP, activation_checkpointing=dict(layer_cls=['ToyBlock']))
 
 
 def _config(name: str, work_dir: str, *, hooks: list, wrapper=None, world_size=WORLD_SIZE,
@@ -133,6 +136,11 @@ def _two_ranks(root: str) -> dict:
             state_dict_type=kind, resume_from=f'{root}/{run}/iter_{HALF}.pth'))
         runner.train()
         out[f'resumed/{run}'] = _result(runner)
+    for name, wrapper in (('plain', DDP), ('checkpointed', CHECKPOINTED_DDP)):
+        runner = FSDPRunner.from_cfg(_config(f'layers-{name}', f'{root}/layers-{name}',
+                                             hooks=[EMA], wrapper=wrapper))
+        runner.train()
+        out[f'layers/{name}'] = _result(runner)
     out['rank'] = torch.distributed.get_rank()
     return out
 
@@ -458,3 +466,13 @@ def test_ema_model_after_one_process_training_equals_the_stock_hooks(root, refer
     assert type(hook.ema_model.module) is ToyClassifier and hook.src_model is runner.model
     assert max_abs_diff(dict(hook.ema_model.module.state_dict()), reference['ema']) == 0
     assert int(hook.ema_model.steps) == TOTAL
+
+
+def test_the_average_of_a_model_with_wrapped_layers_is_the_plain_models(ranks):
+    """DDP wraps checkpointed layers in place, so the averaged copy holds
+    ``blocks.0._checkpoint_wrapped_module...``; it is averaged under the model's own names
+    (before: KeyError at before_train, found by the differential tier, seed 7013)."""
+    for rank in ranks:
+        plain, checkpointed = rank['layers/plain'], rank['layers/checkpointed']
+        assert max_abs_diff(checkpointed['ema'], plain['ema']) == 0.0
+        assert max_abs_diff(checkpointed['model'], plain['model']) == 0.0
