@@ -28,15 +28,19 @@ Users register their own predicate, whose extra arguments become config keys::
         return recurse or (isinstance(module, nn.Linear) and nonwrapped_numel >= min_params)
 
 FSDP2's units are merged where a parameter is shared by two of them
-(:func:`mmfsdp.wrappers.fsdp2.merge_units_sharing_parameters`). What is done to layers
+(:func:`merge_units_sharing_parameters`). What is done to layers
 before sharding is :mod:`mmfsdp.checkpointing` and :mod:`mmfsdp.compile`.
 """
 import collections
 import difflib
 import functools
 import inspect
+import logging
+import os
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, Union
 
+from mmengine.logging import print_log
 from torch import nn
 
 from .options import one_or_many, suggest
@@ -357,3 +361,69 @@ def plan_units(index: Union[ModelIndex, nn.Module], policy: WrapPolicy) -> List[
 
     visit(index.model, '', True)
     return units
+
+
+#: The name that stands for the root unit (the whole model) in a :class:`Merge`.
+ROOT = '<root>'
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One resolution: ``dropped`` units give their parameters to ``owner``."""
+
+    #: Names under which the shared parameter is registered.
+    parameter_names: Tuple[str, ...]
+    #: The units that would have held it.
+    owners: Tuple[str, ...]
+    #: Units that are no longer sharded separately.
+    dropped: Tuple[str, ...]
+    #: The unit (or :data:`ROOT`) that holds it now.
+    owner: str
+
+
+def innermost_unit(name: str, units: Sequence[str]) -> str:
+    """The innermost of ``units`` enclosing module ``name``, or ``''`` for the root."""
+    return max((unit for unit in units if within(name, unit)), key=len, default='')
+
+
+def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
+                                   units: Sequence[str]) -> Tuple[List[str], List[Merge]]:
+    """Drop units so that every parameter belongs to exactly one unit or to the root.
+
+    FSDP2 gives every parameter to one group, FSDP1 to one flat parameter (a
+    shared one in two units fails in the forward: 'size mismatch'); a tied
+    embedding / LM head is the classic case. The units that would hold a
+    shared parameter give it to the innermost unit enclosing all of them;
+    those between are not sharded separately. Dropping a unit never splits a
+    parameter that was not split.
+
+    Args:
+        index: The unsharded model, walked (or the model).
+        units: Names of the planned units, children before parents
+            (:func:`mmfsdp.policies.plan_units`).
+
+    Returns:
+        The units to shard (same order, some dropped) and what was merged.
+        Each merge is logged as a warning.
+
+    """
+    kept, merges = list(units), []
+    for regs in ModelIndex.of(index).registrations.values():
+        owners = {innermost_unit(module_name, kept) for _, module_name in regs}
+        if len(owners) < 2:
+            continue
+        common = os.path.commonprefix([o.split('.') if o else [] for o in owners])
+        owner = innermost_unit('.'.join(common), kept)
+        dropped = tuple(u for u in kept if u != owner and within(u, owner)
+                        and any(within(o, u) for o in owners))
+        kept = [u for u in kept if u not in dropped]
+        merge = Merge(parameter_names=tuple(name for name, _ in regs),
+                      owners=tuple(sorted(o or ROOT for o in owners)),
+                      dropped=dropped, owner=owner or ROOT)
+        merges.append(merge)
+        print_log(f'unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
+                  f'{", ".join(merge.owners)}; a parameter belongs to one unit, so '
+                  f'{", ".join(merge.dropped)} will not be sharded as separate units and '
+                  f'their parameters join {merge.owner}', logger='current',
+                  level=logging.WARNING)
+    return kept, merges

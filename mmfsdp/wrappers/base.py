@@ -46,7 +46,15 @@ from ..dist import current_device
 from ..names import note_checkpoint_keys
 from ..optim import clip_grads_by_global_norm
 from ..options import Accumulation
-from ..policies import ModelIndex, PolicyConfig, WrapPolicy, build_wrap_policy, plan_units, within
+from ..policies import (
+    ModelIndex,
+    PolicyConfig,
+    WrapPolicy,
+    build_wrap_policy,
+    merge_units_sharing_parameters,
+    plan_units,
+    within,
+)
 
 #: The step methods mmengine's loops call on a model (wrapper).
 STEPS = ('train_step', 'val_step', 'test_step')
@@ -297,7 +305,8 @@ class WrapperConfig:
         index = ModelIndex.of(index)
         module = index.model
         policy = build_wrap_policy(self.auto_wrap_policy, index)
-        units = tuple(plan_units(index, policy)) if policy is not None else ()
+        units = tuple(merge_units_sharing_parameters(index, plan_units(index, policy))[0]
+                      if policy is not None else ())
         if policy is not None and not units and getattr(policy, 'func', None) is policies.auto:
             print_log(f"model_wrapper_cfg.auto_wrap_policy='auto': {type(module).__name__} has no "
                       'repeated block (two or more instances of a class made of layers), so '

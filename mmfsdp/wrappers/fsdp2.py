@@ -7,14 +7,11 @@ translated, and FSDP1-only options are refused with their FSDP2 form.
 """
 import contextlib
 import functools
-import logging
-import os
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from mmengine.logging import print_log
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -32,7 +29,7 @@ from ..compat import HYBRID_SHARD_ZERO2, fsdp2_lazy_init
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize
 from ..options import Accumulation
-from ..policies import ModelIndex, within
+from ..policies import ModelIndex, innermost_unit, within
 from ..registry import MODEL_WRAPPERS
 from ..tensors import cast_floats, tensors
 from . import base
@@ -175,70 +172,6 @@ def _from_sharding_strategy(cfg: Mapping[str, Any], value: Any) -> Dict[str, Any
     return out
 
 
-#: The name that stands for the root unit (the whole model) in a :class:`Merge`.
-ROOT = '<root>'
-
-
-@dataclass(frozen=True)
-class Merge:
-    """One resolution: ``dropped`` units give their parameters to ``owner``."""
-
-    #: Names under which the shared parameter is registered.
-    parameter_names: Tuple[str, ...]
-    #: The units that would have held it.
-    owners: Tuple[str, ...]
-    #: Units that are no longer sharded separately.
-    dropped: Tuple[str, ...]
-    #: The unit (or :data:`ROOT`) that holds it now.
-    owner: str
-
-
-def _innermost(name: str, units: Sequence[str]) -> str:
-    """The innermost of ``units`` enclosing module ``name``, or ``''`` for the root."""
-    return max((unit for unit in units if within(name, unit)), key=len, default='')
-
-
-def merge_units_sharing_parameters(index: Union[ModelIndex, nn.Module],
-                                   units: Sequence[str]) -> Tuple[List[str], List[Merge]]:
-    """Drop units so that every parameter belongs to exactly one unit or to the root.
-
-    FSDP2 gives every parameter to one group; a tied embedding / LM head is the
-    classic case. The units that would hold a shared parameter give it to the
-    innermost unit enclosing all of them; those between are not sharded
-    separately. Dropping a unit never splits a parameter that was not split.
-
-    Args:
-        index: The unsharded model, walked (or the model).
-        units: Names of the planned units, children before parents
-            (:func:`mmfsdp.policies.plan_units`).
-
-    Returns:
-        The units to shard (same order, some dropped) and what was merged.
-        Each merge is logged as a warning.
-
-    """
-    kept, merges = list(units), []
-    for regs in ModelIndex.of(index).registrations.values():
-        owners = {_innermost(module_name, kept) for _, module_name in regs}
-        if len(owners) < 2:
-            continue
-        common = os.path.commonprefix([o.split('.') if o else [] for o in owners])
-        owner = _innermost('.'.join(common), kept)
-        dropped = tuple(u for u in kept if u != owner and within(u, owner)
-                        and any(within(o, u) for o in owners))
-        kept = [u for u in kept if u not in dropped]
-        merge = Merge(parameter_names=tuple(name for name, _ in regs),
-                      owners=tuple(sorted(o or ROOT for o in owners)),
-                      dropped=dropped, owner=owner or ROOT)
-        merges.append(merge)
-        print_log(f'FSDP2 unit plan: parameter {" = ".join(merge.parameter_names)} is shared by '
-                  f'{", ".join(merge.owners)}; FSDP2 allows one group per parameter, so '
-                  f'{", ".join(merge.dropped)} will not be sharded as separate units and '
-                  f'their parameters join {merge.owner}', logger='current',
-                  level=logging.WARNING)
-    return kept, merges
-
-
 @dataclass(frozen=True)
 class FullyShardConfig(WrapperConfig):
     """The configuration of :class:`MMFullyShard`, resolved.
@@ -283,7 +216,7 @@ class FullyShardConfig(WrapperConfig):
         return super().from_dict(cfg)
 
     def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
-        """The base layout with units merged where they share a parameter (one group each).
+        """The base layout, checked against what FSDP2 can shard.
 
         Refused where torch 2.13's FSDP2 would fail at the first forward
         (:func:`check_groups`), and for ``'unsharded'`` / ``'hybrid'``
@@ -299,8 +232,6 @@ class FullyShardConfig(WrapperConfig):
                 f"children directly, past {NAME}'s forward where no_sync takes effect; use "
                 "accumulation='sharded' (the same numbers) or "
                 "type='mmfsdp.MMFullyShardedDataParallel'")
-        layout = replace(layout, units=tuple(merge_units_sharing_parameters(index,
-                                                                            layout.units)[0]))
         check_groups(index, layout)
         return layout
 
@@ -439,7 +370,7 @@ def _fp32_groups(targets: List[str], layout: Layout, roots: List[str]) -> List[L
     for name in layout.fp32_modules:
         if name in targets and name not in roots and not any(
                 within(t, name) for t in targets if t != name):
-            groups.setdefault(_innermost(name, units), []).append(name)
+            groups.setdefault(innermost_unit(name, units), []).append(name)
     return list(groups.values())
 
 

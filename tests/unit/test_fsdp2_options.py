@@ -18,14 +18,18 @@ from mmfsdp import MMFullyShard
 from mmfsdp.demo import GPT
 from mmfsdp.options import resolve_init_device
 from mmfsdp.plan.spec import sharding_spec
-from mmfsdp.policies import build_wrap_policy, plan_units
+from mmfsdp.policies import (
+    ROOT,
+    build_wrap_policy,
+    merge_units_sharing_parameters,
+    plan_units,
+    within,
+)
 from mmfsdp.wrappers import FSDPConfig, FullyShardConfig
 from mmfsdp.wrappers.base import MeshSpec
 from mmfsdp.wrappers.builder import resolve_wrapper
 from mmfsdp.wrappers.fsdp2 import (
     FSDP1_ONLY_OPTIONS,
-    ROOT,
-    merge_units_sharing_parameters,
     resolve_mesh,
     resolve_mp_policy,
     resolve_offload_policy,
@@ -250,6 +254,20 @@ def test_tied_embedding_unit_merges_into_the_root():
     assert kept == ['wpe']
     assert len(merges) == 1 and merges[0].dropped == ('wte', ) and merges[0].owner == ROOT
     assert merges[0].parameter_names == ('wte.weight', 'lm_head.weight')
+
+
+@pytest.mark.parametrize('config', [FSDPConfig, FullyShardConfig])
+def test_no_two_units_share_a_parameter_under_either_sharded_wrapper(config):
+    """FSDP1 keeps a parameter in one flat parameter as FSDP2 keeps it in one group: the
+    GPT's size_based units once gave FSDP1 lm_head alone, whose forward then read a flat
+    shard of the tied weight ('size mismatch, got input (16), mat (16x16), vec (2048)';
+    found by the differential tier, seed 7044)."""
+    model = _gpt()
+    layout = config.from_dict(dict(auto_wrap_policy=dict(type='size_based',
+                                                         min_num_params=300))).layout(model)
+    owners = {name: max((u for u in layout.units if within(name, u)), key=len, default='')
+              for name in ('wte', 'lm_head')}
+    assert owners['wte'] == owners['lm_head']
 
 
 def test_tied_units_both_merge_into_their_common_ancestor():
