@@ -576,7 +576,7 @@ def test_torch_compile_reports_a_reached_recompile_limit_through_its_logger():
 
 def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
     """``compat.full_precision``: FSDP1's eval flag (state and handle); FSDP2's dtypes per
-    parameter (from its group's ``mp_policy``), gathered buffers made once, input casts by
+    parameter (from its own ``mp_policy``; before torch 2.15 its group's), gathered buffers made once, input casts by
     the state's ``_mp_policy``. The behaviour: tests/dist/test_compat.py."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import _runtime_utils as fsdp1_runtime
@@ -594,10 +594,14 @@ def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
         FSDPModule.reshard), f'FSDP2 no longer keeps its groups in _fsdp_param_groups ({where})'
     assert 'self._mp_policy.param_dtype' in _source(FSDPState._cast_forward_inputs), \
         f'FSDP2 no longer casts forward inputs by its state._mp_policy ({where})'
-    init_dtypes = _source(FSDPParamGroup._init_mp_dtypes)
-    assert 'fsdp_param.init_dtype_attrs(self.mp_policy)' in init_dtypes \
+    # torch 2.15 reads each parameter's own policy, 2.13 / 2.14 the group's
+    read = ('fsdp_param.mp_policy' if compat.FSDP2_POLICY_PER_PARAMETER else 'self.mp_policy')
+    assert f'fsdp_param.init_dtype_attrs({read})' in _source(FSDPParamGroup._init_mp_dtypes) \
         and 'self._init_mp_dtypes()' in _source(FSDPParamGroup.lazy_init), \
-        f"FSDP2's lazy init no longer sets the dtypes from the group's mp_policy ({where})"
+        f"FSDP2's lazy init no longer sets the dtypes from {read} (torch {torch.__version__}; " \
+        f'{where}, compat.set_fsdp2_param_policies)'
+    assert 'self.mp_policy = mp_policy' in _source(FSDPParam.__init__), \
+        f'FSDPParam no longer keeps its policy as mp_policy ({where}, compat.fsdp2_param_policies)'
     assert _parameters(FSDPParam.init_dtype_attrs) == ['self', 'mp_policy'] and \
         'self.param_dtype = param_dtype' in _source(FSDPParam.init_dtype_attrs), \
         f'FSDPParam.init_dtype_attrs changed ({where})'
