@@ -576,8 +576,9 @@ def test_torch_compile_reports_a_reached_recompile_limit_through_its_logger():
 
 def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
     """``compat.full_precision``: FSDP1's eval flag (state and handle); FSDP2's dtypes per
-    parameter (from its own ``mp_policy``; before torch 2.15 its group's), gathered buffers made once, input casts by
-    the state's ``_mp_policy``. The behaviour: tests/dist/test_compat.py."""
+    parameter (from its own ``mp_policy``; before torch 2.15 its group's), gathered buffers
+    made once, input casts by the state's ``_mp_policy``.
+    The behaviour: tests/dist/test_compat.py."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import _runtime_utils as fsdp1_runtime
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
