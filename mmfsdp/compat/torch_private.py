@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.fsdp import (
     FSDPModule,
     FullyShardedDataParallel,
@@ -338,6 +339,33 @@ def dcp_metadata_private_globals() -> Tuple[Any, ...]:
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING  # TensorProperties
     from torch.serialization import _get_layout  # how a torch.layout (torch.strided) is pickled
     return _StorageInfo, _MEM_FORMAT_ENCODING, _get_layout
+
+
+__all__ += ['dcp_tensor_properties']
+
+
+class _TensorPropertiesOfNewerTorch(TensorProperties):
+    """Reads DCP's ``TensorProperties`` from a newer torch's pickle into this torch's class."""
+
+    def __setstate__(self, state: Tuple[Any, ...]) -> None:
+        # why: TensorProperties pickles its fields as a positional tuple (__getstate__), in
+        # torch 2.13 to 2.15 in this order, 2.15 appending strides
+        super().__setstate__(tuple(state)[:5])
+        self.__class__ = TensorProperties  # equal to, and pickled as, what torch reads itself
+
+
+def dcp_tensor_properties() -> type:
+    """The class a DCP ``.metadata``'s ``TensorProperties`` is read as under this torch.
+
+    torch 2.15 pickles a sixth field, ``strides`` (recorded; its loader reads
+    bytes by ``sizes`` alone), and reads five or six. torch 2.13 / 2.14's
+    ``__setstate__`` unpacks exactly five and fails on a 2.15 checkpoint (``too
+    many values to unpack (expected 5)``): there, a subclass that drops the sixth
+    and leaves a plain ``TensorProperties``.
+    """
+    if 'strides' in {f.name for f in dataclasses.fields(TensorProperties)}:
+        return TensorProperties
+    return _TensorPropertiesOfNewerTorch
 
 
 def load_whole_dcp(reader: Any) -> Dict[str, Any]:

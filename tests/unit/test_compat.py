@@ -549,6 +549,41 @@ def test_dcp_metadata_names_only_globals_the_safe_reader_allows(tmp_path):
     assert private <= named, f'DCP metadata no longer names {sorted(private - named)}'
 
 
+def test_dcp_tensor_properties_pickle_five_fields_then_the_newer_strides():
+    """``TensorProperties.__getstate__``: (dtype, layout, requires_grad, memory format,
+    pin_memory), torch 2.15 appending ``strides``; ``compat.dcp_tensor_properties`` reads
+    both forms on this torch (a 2.15 checkpoint under 2.13 / 2.14, and back)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    written = TensorProperties.create_from_tensor(torch.ones(2, 3).t()).__getstate__()
+    assert isinstance(written, tuple) and written[:3] == (torch.float32, torch.strided, False) \
+        and written[4] is False and len(written) in (5, 6), \
+        f'TensorProperties now pickles {written!r} (compat.dcp_tensor_properties)'
+    read = compat.dcp_tensor_properties()
+    for state in (written[:5], written[:5] + ((1, 3), )):
+        properties = read.__new__(read)
+        properties.__setstate__(state)
+        assert type(properties) is TensorProperties and (
+            properties.dtype, properties.memory_format) == (torch.float32,
+                                                            torch.contiguous_format)
+
+
+def test_the_safe_reader_reads_the_metadata_of_a_newer_torch(tmp_path, monkeypatch):
+    """A ``.metadata`` whose ``TensorProperties`` carry ``strides`` (torch 2.15 writes them)
+    is read on this torch too; before, under 2.13: 'too many values to unpack (expected 5)'."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from mmfsdp.checkpoint.safe_io import SafeFileSystemReader
+    if len(TensorProperties().__getstate__()) == 5:  # write as torch 2.15 does
+        five = TensorProperties.__getstate__
+        monkeypatch.setattr(TensorProperties, '__getstate__', lambda self: (*five(self), None))
+    path = _dcp_checkpoint(tmp_path / 'ckpt')
+    monkeypatch.undo()
+    metadata = SafeFileSystemReader(path).read_metadata()
+    assert metadata.state_dict_metadata['model.half'].properties.dtype == torch.bfloat16
+    got = compat.load_whole_dcp(SafeFileSystemReader(path))
+    assert torch.equal(got['model']['w'], torch.ones(2, 3).t()) and got['extra']['count'] == 3
+
+
 def test_load_whole_dcp_reads_what_dcp_to_torch_save_writes(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
