@@ -577,6 +577,7 @@ def _reduced_gradients() -> dict:
     return out
 
 
+@pytest.mark.smoke
 def test_an_unset_reduce_dtype_reduces_in_param_dtype_on_every_torch():
     """``param_dtype='bf16'`` alone reduce-scatters in bf16, as FSDP1 and torch 2.13 do (torch
     2.15's FSDP2 alone would reduce in fp32): (1 + 2**-8) / 2 rounds to 0.5 in bf16."""
