@@ -35,6 +35,7 @@ from ..compat import (
     checkpoint_loader_replaced_by,
     dcp_metadata_path,
     dcp_metadata_private_globals,
+    dcp_tensor_properties,
     load_whole_dcp,
 )
 
@@ -274,6 +275,8 @@ def _metadata_globals() -> Dict[Tuple[str, str], Any]:
                pathlib.PosixPath,  # StorageMeta.checkpoint_id
                *dcp_metadata_private_globals())
     allowed = {(o.__module__, o.__qualname__): o for o in objects}
+    # a newer torch's TensorProperties (2.15 added strides) read as this torch's
+    allowed[(m.TensorProperties.__module__, 'TensorProperties')] = dcp_tensor_properties()
     allowed[('pathlib', 'PosixPath')] = pathlib.PosixPath  # its name before Python 3.13
     # a dtype pickles as its name in torch ('torch', 'float32')
     allowed.update({('torch', d.__reduce__()): d for d in vars(torch).values()

@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.fsdp import (
     FSDPModule,
     FullyShardedDataParallel,
@@ -34,17 +35,21 @@ from torch.nn.modules.batchnorm import _NormBase as NORM_BASE  # noqa: N811
 # why: the only way to see each aten operator a constructor or initialiser runs
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
+from .version import parse_version
+
 __all__ = ['ActivationWrapper', 'BATCH_NORM_BASE', 'fsdp1_fp32_classes', 'with_fsdp1_fp32_classes',
            'CHECKPOINT_WRAPPED_MODULE', 'CheckpointImpl', 'dcp_drops_names',
-           'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD', 'HYBRID_SHARD_ZERO2', 'NORM_BASE',
+           'FSDP2_POLICY_PER_PARAMETER', 'FSDP_WRAPPED_MODULE', 'GLOO_WORKER_THREAD',
+           'HYBRID_SHARD_ZERO2', 'NORM_BASE',
            'PRIVATE_INITIALISERS', 'TorchDispatchMode', 'apply_activation_checkpointing',
            'argument_names', 'checkpoint_inner', 'checkpoint_wrapper', 'compiled_modules',
            'convert_tensors',
            'direct_tensor', 'direct_tensors', 'dispatch_modes_off', 'fake_tensor_mode',
-           'fsdp1_reshard_if_gathered', 'full_precision',
+           'fsdp1_reshard_if_gathered', 'fsdp2_param_policies', 'full_precision',
            'gloo_worker_threads', 'initialiser', 'is_fake', 'operator_name', 'registered_buffers',
            'registered_child', 'registered_children', 'registered_parameters',
            'replace_registered', 'set_activation_memory_budget', 'set_fsdp1_gradient_sync',
+           'set_fsdp2_param_policies',
            'storage_key', 'written_arguments']
 
 #: The child name torch's FSDP1 gives the module it wraps.
@@ -100,11 +105,11 @@ def full_precision(module: nn.Module) -> Iterator[None]:
     flags = [(o, o._use_full_prec_in_eval) for u in fsdp1 for o in (u, u._handle)
              if o is not None]
     # why: FSDP2 keeps the dtypes of a group's parameters privately (FSDPParam.param_dtype,
-    # from the group's mp_policy) and casts forward inputs by its state's _mp_policy;
-    # grouped fully_shard shares one state
+    # from their policies: fsdp2_param_policies) and casts forward inputs by its state's
+    # _mp_policy; grouped fully_shard shares one state
     states = list({id(s): s for s in (m._get_fsdp_state() for m in fsdp2)}.values())
     groups = [g for s in states for g in s._fsdp_param_groups]
-    policies = [s._mp_policy for s in states], [g.mp_policy for g in groups]
+    policies = [s._mp_policy for s in states], [fsdp2_param_policies(g) for g in groups]
     # id(FSDPParam) -> its training-time gathered buffers, set aside while evaluating
     training_buffers: Dict[int, Tuple[List[torch.Tensor], Optional[nn.Parameter]]] = {}
 
@@ -118,9 +123,9 @@ def full_precision(module: nn.Module) -> Iterator[None]:
         for state, policy in zip(states, state_policies):
             state._mp_policy = policy
         for group, policy in zip(groups, group_policies):
-            group.mp_policy = policy  # lazy init (a first forward in eval) reads it too
-            for param in group.fsdp_params:
-                param.init_dtype_attrs(policy)
+            set_fsdp2_param_policies(group, policy)  # lazy init (a first forward in eval) reads it
+            for param, own in zip(group.fsdp_params, policy):
+                param.init_dtype_attrs(own)
                 # why: the gathered buffers are made once, in param_dtype: evaluation makes
                 # its own, and training gets its own back, since between micro-steps without
                 # gradient sync FSDP2 accumulates the unsharded gradient on that parameter
@@ -131,12 +136,38 @@ def full_precision(module: nn.Module) -> Iterator[None]:
                 if full:
                     training_buffers[id(param)] = buffers
 
-    switch(True, *([dataclasses.replace(p, param_dtype=None, output_dtype=None) for p in ps]
-                   for ps in policies))
+    def fp32(policy: Any) -> Any:
+        return dataclasses.replace(policy, param_dtype=None, output_dtype=None)
+
+    switch(True, [fp32(p) for p in policies[0]], [[fp32(p) for p in ps] for ps in policies[1]])
     try:
         yield
     finally:
         switch(None, *policies)
+
+
+#: Whether each FSDP2 ``FSDPParam`` holds the policy lazy init reads (torch 2.15); before, its
+#: ``FSDPParamGroup`` held one ``mp_policy`` for all (torch 2.13, 2.14).
+FSDP2_POLICY_PER_PARAMETER = parse_version(torch.__version__) >= (2, 15)
+
+
+def fsdp2_param_policies(group: Any) -> List[Any]:
+    """The ``MixedPrecisionPolicy`` of each parameter of an FSDP2 ``FSDPParamGroup``, in order.
+
+    torch 2.15 resolves one per parameter (``param_dtype_override_fn``); before,
+    each parameter's is its group's.
+    """
+    # why: FSDPParam keeps the policy it was made with as mp_policy (2.13 to 2.15)
+    return [param.mp_policy for param in group.fsdp_params]
+
+
+def set_fsdp2_param_policies(group: Any, policies: List[Any]) -> None:
+    """Give the parameters of an FSDP2 group ``policies`` (one each), where lazy init reads them."""
+    for param, policy in zip(group.fsdp_params, policies):
+        param.mp_policy = policy  # why: 2.15's lazy init reads each FSDPParam's mp_policy
+    if not FSDP2_POLICY_PER_PARAMETER and policies:
+        # why: 2.13 / 2.14's lazy init reads the group's mp_policy (the same for every parameter)
+        group.mp_policy = policies[0]
 
 
 def set_fsdp1_gradient_sync(module: FullyShardedDataParallel, sync: bool) -> None:
@@ -318,6 +349,33 @@ def dcp_metadata_private_globals() -> Tuple[Any, ...]:
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING  # TensorProperties
     from torch.serialization import _get_layout  # how a torch.layout (torch.strided) is pickled
     return _StorageInfo, _MEM_FORMAT_ENCODING, _get_layout
+
+
+__all__ += ['dcp_tensor_properties']
+
+
+class _TensorPropertiesOfNewerTorch(TensorProperties):
+    """Reads DCP's ``TensorProperties`` from a newer torch's pickle into this torch's class."""
+
+    def __setstate__(self, state: Tuple[Any, ...]) -> None:
+        # why: TensorProperties pickles its fields as a positional tuple (__getstate__), in
+        # torch 2.13 to 2.15 in this order, 2.15 appending strides
+        super().__setstate__(tuple(state)[:5])
+        self.__class__ = TensorProperties  # equal to, and pickled as, what torch reads itself
+
+
+def dcp_tensor_properties() -> type:
+    """The class a DCP ``.metadata``'s ``TensorProperties`` is read as under this torch.
+
+    torch 2.15 pickles a sixth field, ``strides`` (recorded; its loader reads
+    bytes by ``sizes`` alone), and reads five or six. torch 2.13 / 2.14's
+    ``__setstate__`` unpacks exactly five and fails on a 2.15 checkpoint (``too
+    many values to unpack (expected 5)``): there, a subclass that drops the sixth
+    and leaves a plain ``TensorProperties``.
+    """
+    if 'strides' in {f.name for f in dataclasses.fields(TensorProperties)}:
+        return TensorProperties
+    return _TensorPropertiesOfNewerTorch
 
 
 def load_whole_dcp(reader: Any) -> Dict[str, Any]:

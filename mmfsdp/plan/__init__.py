@@ -48,8 +48,10 @@ def _wrapping(wrapper_cls: type, wrapper_cfg: Mapping[str, Any]) -> Wrapping:
 def reduce_dtype_of(wrapping: Wrapping) -> Optional[torch.dtype]:
     """The dtype the wrapper reduces gradients in (``None``: the parameters' own).
 
-    FSDP1's ``MixedPrecision`` and FSDP2's ``MixedPrecisionPolicy`` both
-    reduce in ``param_dtype`` when ``reduce_dtype`` is not given.
+    FSDP1's ``MixedPrecision`` reduces in ``param_dtype`` when ``reduce_dtype``
+    is not given; mmfsdp's FSDP2 config writes that out in its resolved policy
+    (:func:`~mmfsdp.wrappers.fsdp2.resolve_mp_policy`: torch 2.15's FSDP2 would
+    reduce in the gradients' dtype).
     """
     precision = getattr(wrapping.config, 'mixed_precision', None)
     if precision is None:

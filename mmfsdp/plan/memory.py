@@ -55,6 +55,9 @@ class Unit:
     #: copies the gradients into a buffer of that dtype for the reduce-scatter);
     #: 0 for a frozen unit.
     reduced_bytes: int = 0
+    #: The dtype this unit's gradients are reduced in (reduce-scatter, all-reduce); ``None``
+    #: for a frozen unit.
+    reduce_dtype: Optional[torch.dtype] = None
 
     @property
     def total_bytes(self) -> int:
@@ -243,9 +246,11 @@ def _make_plan(model: nn.Module, spec: ShardingSpec, world_size: int, optimizer_
         grad_numel = _shard_numel(with_grads, spec, grads_sharded)
         module = model.get_submodule(name) if name else model
         # Modules kept in fp32 reduce in fp32 too; the others in reduce_dtype when one is set.
-        reduce_bytes = (torch.empty((), dtype=reduce_dtype).element_size()
-                        if reduce_dtype is not None and name not in spec.fp32_units
-                        else compute_bytes)
+        compute = (spec.compute_dtype if spec.compute_dtype and name not in spec.fp32_units
+                   else params[0].dtype if params else torch.float32)
+        reduced_in = (reduce_dtype if reduce_dtype is not None and name not in spec.fp32_units
+                      else compute)
+        reduce_bytes = reduced_in.itemsize
         trained += sum(p.numel() for p in trainable)
         units.append(Unit(name=name, cls=type(module).__name__, numel=numel,
                           param_bytes=param_numel * dtype_bytes,
@@ -254,7 +259,8 @@ def _make_plan(model: nn.Module, spec: ShardingSpec, world_size: int, optimizer_
                                            * optimizer_states),
                           gathered_bytes=numel * compute_bytes,
                           reduced_bytes=(sum(p.numel() for p in with_grads)
-                                         * max(reduce_bytes, compute_bytes))))
+                                         * max(reduce_bytes, compute_bytes)),
+                          reduce_dtype=reduced_in if with_grads else None))
     names: Dict[int, List[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)

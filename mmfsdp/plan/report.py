@@ -2,6 +2,8 @@
 import collections
 from typing import TYPE_CHECKING, Any, Dict, List
 
+import torch
+
 from .memory import Plan
 
 if TYPE_CHECKING:  # the tracer is imported where a step is traced, not with the plan
@@ -67,7 +69,8 @@ def plan_to_dict(plan: Plan) -> Dict[str, Any]:
         warnings=plan_warnings(plan),
         units=[dict(name=u.name or '(root)', cls=u.cls, numel=u.numel, param_bytes=u.param_bytes,
                     grad_bytes=u.grad_bytes, optimizer_bytes=u.optimizer_bytes,
-                    gathered_bytes=u.gathered_bytes, reduced_bytes=u.reduced_bytes)
+                    gathered_bytes=u.gathered_bytes, reduced_bytes=u.reduced_bytes,
+                    reduce_dtype=_dtype_text(u.reduce_dtype) if u.reduce_dtype else None)
                for u in plan.units])
 
 
@@ -105,6 +108,7 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
                  'included)')
     lines.append(f'construction peak {size_text(plan.construction_bytes_per_rank)} per rank of '
                  f'parameters on the device ({plan.spec.construction.value})')
+    lines.append(_reductions(plan))
     named = [u for u in rows if u.name]
     if named:  # the classes of the units, and the share of the parameters each class holds
         held = collections.Counter()
@@ -125,6 +129,31 @@ def format_plan(plan: Plan, max_rows: int = 40, with_warnings: bool = True) -> s
     if with_warnings:
         lines += [f'warning: {w}' for w in plan_warnings(plan)]
     return '\n'.join(lines)
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).replace('torch.', '')
+
+
+def _reductions(plan: Plan) -> str:
+    """Which dtype each unit's gradients are reduced in: ``gradients reduced in bf16 (...)``."""
+    by_dtype: Dict[str, List[str]] = collections.defaultdict(list)
+    for u in plan.units:
+        if u.reduce_dtype is not None:
+            by_dtype[_dtype_text(u.reduce_dtype)].append(u.name or '(root)')
+    if not by_dtype:
+        return 'gradients: none (every parameter is frozen)'
+    collective = ('all-reduce' if plan.spec.shard_size == 1
+                  else 'reduce-scatter' if plan.spec.replicate_size == 1
+                  else 'reduce-scatter + all-reduce')
+    parts = [f'{dtype} ({"every unit" if len(by_dtype) == 1 else _names(names)})'
+             for dtype, names in by_dtype.items()]
+    return f'gradients reduced ({collective}) in ' + '; '.join(parts)
+
+
+def _names(names: List[str], shown: int = 4) -> str:
+    more = len(names) - shown
+    return ', '.join(names[:shown]) + (f' and {more} more' if more > 0 else '')
 
 
 def format_step(step: 'StepPeak', max_units: int = 8) -> str:

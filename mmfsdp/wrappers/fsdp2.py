@@ -70,10 +70,16 @@ def resolve_mp_policy(
 
         mixed_precision=dict(param_dtype='bf16', reduce_dtype='fp32', cast_forward_inputs=True)
 
+    With ``param_dtype`` and no ``reduce_dtype``, gradients are reduced in
+    ``param_dtype``, written out in the policy: torch 2.15 changed what an
+    unset ``reduce_dtype`` means (2.13 / 2.14 reduce in ``param_dtype``, 2.15
+    in the gradients' fp32), so one config would move twice the bytes on
+    2.15; ``param_dtype`` is what FSDP1's ``MixedPrecision`` and every earlier
+    run of the config did. ``reduce_dtype='fp32'`` reduces in fp32.
     Its ``fp32_modules`` key is moved out before (the config's ``fp32_modules``).
     """
     if value is None or isinstance(value, MixedPrecisionPolicy):
-        return value or MixedPrecisionPolicy()
+        return _reduce_in_param_dtype(value or MixedPrecisionPolicy())
     if isinstance(value, MixedPrecision):
         raise TypeError(f'{_MP_KEY}: got an FSDP1 MixedPrecision; FSDP2 takes a '
                         'MixedPrecisionPolicy or dict(param_dtype=..., reduce_dtype=..., '
@@ -85,8 +91,15 @@ def resolve_mp_policy(
         if name in value:
             raise TypeError(f'{_MP_KEY}: {name!r} is an FSDP1 key that FSDP2 does not '
                             f'take: {instead}')
-    return MixedPrecisionPolicy(**options.resolve_dtypes_and_flags(
-        value, _FSDP2_MP_DTYPES, ('cast_forward_inputs', ), _MP_KEY))
+    return _reduce_in_param_dtype(MixedPrecisionPolicy(**options.resolve_dtypes_and_flags(
+        value, _FSDP2_MP_DTYPES, ('cast_forward_inputs', ), _MP_KEY)))
+
+
+def _reduce_in_param_dtype(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``policy`` with an unset ``reduce_dtype`` set to its ``param_dtype`` (see above)."""
+    if policy.reduce_dtype is not None or policy.param_dtype is None:
+        return policy
+    return replace(policy, reduce_dtype=policy.param_dtype)
 
 
 def resolve_offload_policy(value: Union[bool, Mapping[str, Any], OffloadPolicy, None]

@@ -18,6 +18,9 @@ from mmengine.runner import Runner
 from harness import max_abs_diff, run_distributed
 from toy import runner_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 TOL = 2e-5
 WORLD_SIZE = 2
 PER_RANK_BATCH = 4

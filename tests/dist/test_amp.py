@@ -10,6 +10,9 @@ import contract_models  # noqa: F401  (registers the models)
 from harness import DIST_CFG, run_distributed
 from toy import DDP, FSDP1, ToyClassifier, runner_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 AMP = dict(type='mmfsdp.AmpOptimWrapper', dtype='float16',
            optimizer=dict(type='AdamW', lr=1e-2), clip_grad=dict(max_norm=1.0))
 INIT_SCALE = 2.0**10

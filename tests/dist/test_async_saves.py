@@ -20,6 +20,9 @@ from mmengine.hooks import Hook
 from harness import max_abs_diff, raised, run_distributed
 from toy import FSDP1, FSDP2, runner_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 EMA = dict(type='EMAHook', ema_type='ExponentialMovingAverage', momentum=0.1)
 #: run -> (state_dict_type, wrapper)
 KINDS = {'full': ('full', FSDP1), 'sharded': ('sharded', FSDP2),

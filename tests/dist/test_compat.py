@@ -4,9 +4,13 @@
 The others, one test per internal, are in ``tests/unit/test_compat.py``.
 """
 
+import pytest
 import torch
 
 from mmfsdp import compat
+
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
 
 
 def _gloo_workers_by_name():

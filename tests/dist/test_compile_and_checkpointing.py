@@ -19,6 +19,9 @@ from toy import (
     train_one_process,
 )
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 TOL = 1e-5
 GLOBAL_BATCH, ITERS, INTERVAL = 8, 4, 2
 BLOCK = ['ToyBlock']

@@ -23,6 +23,9 @@ from harness import max_abs_diff, raised, run_distributed
 from mmfsdp import MMFullyShard, MMFullyShardedDataParallel
 from vision import GroupNormNet, TinyResNet, tiny_resnet
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 WORLD_SIZE = 2
 PER_RANK_BATCH = 4
 STEPS = 4

@@ -558,3 +558,29 @@ def test_meta_init_keeps_construction_memory_near_one_shard(runs):
               f'{memory["None"] / 2**20:.2f} MiB, meta init {memory["meta"] / 2**20:.2f} MiB')
         assert memory['None'] >= full
         assert memory['meta'] <= 1.1 * shard + 2**16  # the shard, padding, small buffers
+
+
+def _reduced_gradients() -> dict:
+    """The averaged gradient of a weight whose gradients, 1 and 2**-8, sum exactly only in fp32."""
+    from harness import DIST_CFG
+    from mmfsdp import MMFullyShard
+    from mmfsdp.dist import init_distributed
+    init_distributed('pytorch', DIST_CFG)
+    out = {}
+    for name, mixed_precision in (('unset', dict(param_dtype='bf16')),
+                                  ('fp32', dict(param_dtype='bf16', reduce_dtype='fp32'))):
+        model = MMFullyShard.from_options(nn.Linear(1, 1, bias=False),
+                                          mixed_precision=mixed_precision).module
+        x = torch.full((1, 1), 1.0 if torch.distributed.get_rank() == 0 else 2.0**-8)
+        model(x).sum().backward()  # this rank's gradient of the weight is x, exact in bf16
+        out[name] = model.weight.grad.full_tensor().item()
+    return out
+
+
+@pytest.mark.smoke
+def test_an_unset_reduce_dtype_reduces_in_param_dtype_on_every_torch():
+    """``param_dtype='bf16'`` alone reduce-scatters in bf16, as FSDP1 and torch 2.13 do (torch
+    2.15's FSDP2 alone would reduce in fp32): (1 + 2**-8) / 2 rounds to 0.5 in bf16."""
+    for rank in run_distributed(_reduced_gradients, 2):
+        assert rank == dict(unset=0.5, fp32=(1 + 2**-8) / 2), \
+            f'{rank} (torch {torch.__version__}; resolve_mp_policy no longer sets reduce_dtype)'

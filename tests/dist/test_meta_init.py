@@ -24,6 +24,9 @@ from torch import nn
 from harness import max_abs_diff, run_distributed
 from toy import IN_DIM, NUM_CLASSES, runner_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 FS = 'mmfsdp.MMFullyShard'
 FSDP1 = 'mmfsdp.MMFullyShardedDataParallel'
 DIM = 8

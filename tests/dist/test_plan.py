@@ -15,6 +15,9 @@ from mmfsdp.plan import Padding, plan_for
 from mmfsdp.wrappers import MMDistributedDataParallel, MMFullyShard, MMFullyShardedDataParallel
 from toy import meta_toy, runner_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 FSDP = 'mmfsdp.MMFullyShardedDataParallel'
 BLOCKS = dict(type='transformer', layer_cls=['ToyBlock'])
 ADAMW = dict(type='AdamW', lr=1e-2)

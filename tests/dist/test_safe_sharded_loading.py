@@ -29,6 +29,9 @@ from mmfsdp.ema import EMAHook
 from payloads import CreatesFile
 from toy import FSDP1, checkpointing_config
 
+#: The dist smoke (tools/test_torch.sh VERSION smoke): every compat/ entry at work.
+pytestmark = pytest.mark.smoke
+
 ITERS = 2
 EMA = dict(type='EMAHook', momentum=0.2)
 #: The global a crafted file's unpickling calls (``CreatesFile`` reduces to ``open``).

@@ -549,6 +549,41 @@ def test_dcp_metadata_names_only_globals_the_safe_reader_allows(tmp_path):
     assert private <= named, f'DCP metadata no longer names {sorted(private - named)}'
 
 
+def test_dcp_tensor_properties_pickle_five_fields_then_the_newer_strides():
+    """``TensorProperties.__getstate__``: (dtype, layout, requires_grad, memory format,
+    pin_memory), torch 2.15 appending ``strides``; ``compat.dcp_tensor_properties`` reads
+    both forms on this torch (a 2.15 checkpoint under 2.13 / 2.14, and back)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    written = TensorProperties.create_from_tensor(torch.ones(2, 3).t()).__getstate__()
+    assert isinstance(written, tuple) and written[:3] == (torch.float32, torch.strided, False) \
+        and written[4] is False and len(written) in (5, 6), \
+        f'TensorProperties now pickles {written!r} (compat.dcp_tensor_properties)'
+    read = compat.dcp_tensor_properties()
+    for state in (written[:5], written[:5] + ((1, 3), )):
+        properties = read.__new__(read)
+        properties.__setstate__(state)
+        assert type(properties) is TensorProperties and (
+            properties.dtype, properties.memory_format) == (torch.float32,
+                                                            torch.contiguous_format)
+
+
+def test_the_safe_reader_reads_the_metadata_of_a_newer_torch(tmp_path, monkeypatch):
+    """A ``.metadata`` whose ``TensorProperties`` carry ``strides`` (torch 2.15 writes them)
+    is read on this torch too; before, under 2.13: 'too many values to unpack (expected 5)'."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from mmfsdp.checkpoint.safe_io import SafeFileSystemReader
+    if len(TensorProperties().__getstate__()) == 5:  # write as torch 2.15 does
+        five = TensorProperties.__getstate__
+        monkeypatch.setattr(TensorProperties, '__getstate__', lambda self: (*five(self), None))
+    path = _dcp_checkpoint(tmp_path / 'ckpt')
+    monkeypatch.undo()
+    metadata = SafeFileSystemReader(path).read_metadata()
+    assert metadata.state_dict_metadata['model.half'].properties.dtype == torch.bfloat16
+    got = compat.load_whole_dcp(SafeFileSystemReader(path))
+    assert torch.equal(got['model']['w'], torch.ones(2, 3).t()) and got['extra']['count'] == 3
+
+
 def test_load_whole_dcp_reads_what_dcp_to_torch_save_writes(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -576,8 +611,9 @@ def test_torch_compile_reports_a_reached_recompile_limit_through_its_logger():
 
 def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
     """``compat.full_precision``: FSDP1's eval flag (state and handle); FSDP2's dtypes per
-    parameter (from its group's ``mp_policy``), gathered buffers made once, input casts by
-    the state's ``_mp_policy``. The behaviour: tests/dist/test_compat.py."""
+    parameter (from its own ``mp_policy``; before torch 2.15 its group's), gathered buffers
+    made once, input casts by the state's ``_mp_policy``.
+    The behaviour: tests/dist/test_compat.py."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import _runtime_utils as fsdp1_runtime
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -594,10 +630,14 @@ def test_full_precision_switches_what_fsdp1_and_fsdp2_read_privately():
         FSDPModule.reshard), f'FSDP2 no longer keeps its groups in _fsdp_param_groups ({where})'
     assert 'self._mp_policy.param_dtype' in _source(FSDPState._cast_forward_inputs), \
         f'FSDP2 no longer casts forward inputs by its state._mp_policy ({where})'
-    init_dtypes = _source(FSDPParamGroup._init_mp_dtypes)
-    assert 'fsdp_param.init_dtype_attrs(self.mp_policy)' in init_dtypes \
+    # torch 2.15 reads each parameter's own policy, 2.13 / 2.14 the group's
+    read = ('fsdp_param.mp_policy' if compat.FSDP2_POLICY_PER_PARAMETER else 'self.mp_policy')
+    assert f'fsdp_param.init_dtype_attrs({read})' in _source(FSDPParamGroup._init_mp_dtypes) \
         and 'self._init_mp_dtypes()' in _source(FSDPParamGroup.lazy_init), \
-        f"FSDP2's lazy init no longer sets the dtypes from the group's mp_policy ({where})"
+        f"FSDP2's lazy init no longer sets the dtypes from {read} (torch {torch.__version__}; " \
+        f'{where}, compat.set_fsdp2_param_policies)'
+    assert 'self.mp_policy = mp_policy' in _source(FSDPParam.__init__), \
+        f'FSDPParam no longer keeps its policy as mp_policy ({where}, compat.fsdp2_param_policies)'
     assert _parameters(FSDPParam.init_dtype_attrs) == ['self', 'mp_policy'] and \
         'self.param_dtype = param_dtype' in _source(FSDPParam.init_dtype_attrs), \
         f'FSDPParam.init_dtype_attrs changed ({where})'

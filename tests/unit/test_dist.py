@@ -4,12 +4,14 @@ What a GPU node, a CPU node and a CUDA build without a visible GPU each get; the
 local world size from Slurm, Open MPI and torchrun variables; the torch guard.
 """
 
+import warnings
+
 import pytest
 import torch
 
 from harness import REPO
 from mmfsdp.checkpoint.state import full_state_on_rank0
-from mmfsdp.compat import MIN_TORCH, check_torch_version, parse_version
+from mmfsdp.compat import MIN_TORCH, TESTED_TORCH, check_torch_version, parse_version
 from mmfsdp.dist import export_launcher_env, local_world_size, select_backend, select_device
 
 CUDA0, CPU = torch.device('cuda', 0), torch.device('cpu')
@@ -90,19 +92,29 @@ def test_local_world_size_is_read_in_one_place(monkeypatch):
         local_world_size()
 
 
-@pytest.mark.parametrize('version', ['2.8.0', '2.11.0+cu130', '2.13.0', '2.14.0.dev20261101',
-                                     '3.0.0'])
-def test_supported_torch_versions_import(version):
-    check_torch_version(version)
+@pytest.mark.parametrize('version', ['2.13.0', '2.14.1+cu130', '2.15.0', '2.15.2',
+                                     '2.14.0.dev20261101'])
+def test_tested_torch_versions_import_quietly(version):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        check_torch_version(version)
 
 
-@pytest.mark.parametrize('version', ['2.6.0', '2.7.1+cpu', '1.13.1'])
+@pytest.mark.parametrize('version', ['2.12.1', '2.8.0', '2.7.1+cpu', '1.13.1'])
 def test_older_torch_is_refused_with_the_version_needed(version):
-    with pytest.raises(ImportError, match=r'mmfsdp needs torch >= 2\.8, found torch'):
+    with pytest.raises(ImportError, match=r'mmfsdp needs torch >= 2\.13, found torch'):
+        check_torch_version(version)
+
+
+@pytest.mark.parametrize('version', ['2.16.0', '2.16.0.dev20261201+cu132', '3.0.0'])
+def test_a_torch_newer_than_the_newest_tested_warns_and_says_how_to_check_it(version):
+    with pytest.warns(UserWarning, match=r'tested on torch 2\.13\.0, 2\.14\.1, 2\.15\.0; torch '
+                      r'.* is newer.*tools/test_torch\.sh .* smoke'):
         check_torch_version(version)
 
 
 def test_installed_torch_passes_the_guard_and_requirements_agree():
-    assert parse_version(torch.__version__) >= MIN_TORCH
+    """The floor is the oldest tested torch, and requirements.txt (setup.py) declares it."""
+    assert parse_version(torch.__version__) >= MIN_TORCH == parse_version(TESTED_TORCH[0])
     with open(REPO / 'requirements.txt') as f:
-        assert 'torch>=2.8' in f.read().split()
+        assert f'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}' in f.read().split()

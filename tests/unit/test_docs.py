@@ -84,3 +84,13 @@ def test_every_marked_block_of_the_benchmarks_page_is_written_by_a_script():
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
                for key in node.keys if isinstance(key, ast.Constant)}
     assert [name for name in begins if name not in written] == []
+
+
+@pytest.mark.parametrize('page', ['README.md', 'docs/get-started.md'])
+def test_the_supported_versions_rows_are_the_tested_versions(page):
+    """README and get-started list the torch and mmengine rows :mod:`mmfsdp.compat.version`
+    writes (``tested_versions_text``): its ``TESTED_TORCH`` is the one list."""
+    from mmfsdp.compat import tested_versions_text
+    assert tested_versions_text() in (REPO / page).read_text(), (
+        f'{page}: the torch / mmengine rows differ from mmfsdp.compat.tested_versions_text(); '
+        'paste its output in place of the two rows')

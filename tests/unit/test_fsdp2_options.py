@@ -46,6 +46,16 @@ def test_mixed_precision_dict_becomes_a_policy():
     assert resolve_mp_policy(None) == MixedPrecisionPolicy()
 
 
+def test_an_unset_reduce_dtype_is_written_out_as_param_dtype():
+    """torch 2.15 reduces in the gradients' dtype where ``reduce_dtype`` is unset, 2.13 in
+    ``param_dtype``: the resolved policy says ``param_dtype`` (FSDP1's meaning) on both."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert resolve_mp_policy(dict(param_dtype='bf16')) == bf16
+    assert resolve_mp_policy(MixedPrecisionPolicy(param_dtype=torch.bfloat16)) == bf16
+    assert resolve_mp_policy(dict(reduce_dtype='fp32')).param_dtype is None
+    assert resolve_mp_policy({}).reduce_dtype is None  # parameters' own dtype, every torch
+
+
 @pytest.mark.parametrize('key, hint', [('buffer_dtype', 'does not cast buffers'),
                                        ('keep_low_precision_grads', 'reduce_dtype'),
                                        ('cast_root_forward_inputs', 'use cast_forward_inputs')])

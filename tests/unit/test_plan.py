@@ -31,6 +31,28 @@ def test_plan_of_the_demo_gpt_counts_every_parameter_once():
     assert 'activations not included' in table
 
 
+def test_the_plan_names_the_dtype_each_units_gradients_are_reduced_in():
+    """An unset ``reduce_dtype`` is ``param_dtype`` (resolved, so on every torch); the modules
+    kept in fp32 reduce in fp32; frozen units reduce nothing."""
+    from mmfsdp.wrappers import MMFullyShard
+    blocks = dict(type='transformer', layer_cls=['ToyBlock'])
+    bf16 = dict(type='mmfsdp.MMFullyShard', auto_wrap_policy=blocks,
+                mixed_precision=dict(param_dtype='bf16', fp32_modules=['LayerNorm']))
+    plan = plan_for(MMFullyShard, bf16, meta_toy(), 2, ADAMW)
+    assert {u.name: u.reduce_dtype for u in plan.units} == {
+        '': torch.bfloat16, 'norm': torch.float32,
+        **{f'blocks.{i}': torch.bfloat16 for i in range(3)},
+        **{f'blocks.{i}.norm': torch.float32 for i in range(3)}}
+    assert 'gradients reduced (reduce-scatter) in bfloat16 ((root), blocks.0, blocks.1, ' \
+        'blocks.2); float32 (blocks.0.norm, blocks.1.norm, blocks.2.norm, norm)' \
+        in format_plan(plan)
+    assert plan_to_dict(plan)['units'][-1]['reduce_dtype'] == 'float32'
+    fp32 = plan_for(MMFullyShard, dict(bf16, mixed_precision=dict(param_dtype='bf16',
+                                                                reduce_dtype='fp32')),
+                    meta_toy(), 2, ADAMW)
+    assert 'gradients reduced (reduce-scatter) in float32 (every unit)' in format_plan(fp32)
+
+
 def test_full_shard_model_states_shrink_with_world_size():
     wrapper = FSDP1
     one, eight = (plan_for(MMFullyShardedDataParallel, wrapper, meta_toy(), n, ADAMW)
