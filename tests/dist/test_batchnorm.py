@@ -344,6 +344,7 @@ def test_syncbn_is_kept_only_where_there_is_an_accelerator(monkeypatch, device, 
     runner = FSDPRunner.__new__(FSDPRunner)  # build_model needs only these
     runner._wrap_state, runner._distributed = WrapState(wrapping=None, meta_init=False), True
     runner._strategy = translate_strategy({})  # no FlexibleRunner strategy to log
+    runner.cfg = Config({})  # allow_unsafe_checkpoints unset
     runner.logger = logging.getLogger('test_batchnorm')
     model = runner.build_model(NormedClassifier(norm_cfg=dict(type='SyncBN')))
     norms = {n: type(m) for n, m in model.named_modules()

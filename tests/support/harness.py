@@ -164,7 +164,11 @@ class _Ranks:
                     waiting = {p: r for p, r in waiting.items() if r != sentinels[ready_one]}
                     del sentinels[ready_one]
                 elif ready_one in waiting:
-                    ready_one.recv()
+                    try:
+                        ready_one.recv()
+                    except EOFError:  # the rank died: its sentinel tells the rest
+                        del waiting[ready_one]
+                        continue
                     if os.path.exists(os.path.join(out_dir, f'{waiting[ready_one]}.err')):
                         deadline = min(deadline, time.monotonic() + AFTER_A_RAISE_S)
                     del waiting[ready_one]
