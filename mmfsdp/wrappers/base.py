@@ -418,16 +418,17 @@ class ParallelWrapper(nn.Module):
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Dict[str, torch.Tensor]:
         """Forward, backward and (on update iterations) step; returns the log variables."""
-        if 'train_step' in own_steps(self.module):
-            return self.module.train_step(data, optim_wrapper)
-        with optim_wrapper.optim_context(self):
-            data = self.module.data_preprocessor(data, training=True)
-            losses = self._run_forward(data, mode='loss')
-        parsed_loss, log_vars = self.module.parse_losses(losses)
-        if self.detect_anomalous_params:
-            detect_anomalous_params(parsed_loss, model=self)
-        optim_wrapper.update_params(parsed_loss)
-        return log_vars
+        with self._step():
+            if 'train_step' in own_steps(self.module):
+                return self.module.train_step(data, optim_wrapper)
+            with optim_wrapper.optim_context(self):
+                data = self.module.data_preprocessor(data, training=True)
+                losses = self._run_forward(data, mode='loss')
+            parsed_loss, log_vars = self.module.parse_losses(losses)
+            if self.detect_anomalous_params:
+                detect_anomalous_params(parsed_loss, model=self)
+            optim_wrapper.update_params(parsed_loss)
+            return log_vars
 
     def val_step(self, data: Any) -> list:
         """Predictions for a validation batch (``mode='predict'``), or the model's own."""
@@ -439,7 +440,8 @@ class ParallelWrapper(nn.Module):
 
     def _predict(self, step: str, data: Any) -> list:
         """Predictions computed in full precision, as mmengine's loops evaluate under AMP."""
-        with full_precision(self) if self._low_precision else contextlib.nullcontext():
+        precision = full_precision(self) if self._low_precision else contextlib.nullcontext()
+        with self._step(), precision:
             return (getattr(self.module, step)(data) if step in own_steps(self.module) else
                     self._run_forward(self.module.data_preprocessor(data, training=False),
                                       'predict'))
@@ -490,21 +492,49 @@ class ParallelWrapper(nn.Module):
             yield
             return
         members = {id(m) for m in self.module.modules()}
-        stack = contextlib.ExitStack()
+        self._outside = stack = contextlib.ExitStack()
 
-        def gather(module: nn.Module, args: Any) -> None:
-            if module is self:  # the wrapper's own forward gathers what it runs
-                handle.remove()
-            elif id(module) in members:
-                handle.remove()
+        def before(module: nn.Module, args: Any) -> None:
+            if module is self:  # the wrapper's own forward (a hook's direct call) is a step
+                self._steps += 1
+            elif not (self._steps or self._root_gathered) and id(module) in members:
+                self._root_gathered = True
+                stack.callback(setattr, self, '_root_gathered', False)
                 self.gather_root(stack)
 
-        handle = nn.modules.module.register_module_forward_pre_hook(gather)
-        with stack:
-            try:
-                yield
-            finally:
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if module is self:
+                self._steps -= 1
+
+        handles = (nn.modules.module.register_module_forward_pre_hook(before),
+                   nn.modules.module.register_module_forward_hook(after))
+        try:
+            yield
+        finally:
+            for handle in handles:
                 handle.remove()
+            self._outside = None
+            stack.close()
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """The wrapper's own step, which gathers for itself.
+
+        What a hook gathered (:meth:`outside_step`) is sharded again first.
+        """
+        if self._outside is not None:
+            self._outside.close()
+        self._steps += 1
+        try:
+            yield
+        finally:
+            self._steps -= 1
+
+    #: :meth:`outside_step`'s gathered state, while it is entered.
+    _outside: Optional[contextlib.ExitStack] = None
+    _root_gathered: bool = False
+    #: How many of the wrapper's own steps (or forwards) are running.
+    _steps: int = 0
 
     #: Whether parameters are sharded: a forward outside the step needs :meth:`gather_root`.
     shards_parameters: ClassVar[bool] = False

@@ -190,7 +190,11 @@ def canonical(case: Case) -> Case:
         fix['clip'] = 'norm'  # the frozen variant is the toy's (FrozenBackboneClassifier)
     if case.accumulation == 'hybrid' and not case.wrapper.startswith('fsdp2'):
         fix['accumulation'] = default.accumulation
-    if case.evaluation in ('none', 'val-first'):
+    if case.evaluation == 'val-first' and case.wrapper.startswith('fsdp1'):
+        # FSDP1 refuses train() after val() at the call, by design (its flat shards would
+        # feed the optimizer; tests/dist/test_evaluation_lifecycle.py): not a training case
+        fix['evaluation'] = default.evaluation
+    if case.evaluation in ('none', 'val-first') or fix.get('evaluation'):
         fix['val_at'] = default.val_at
     if case.checkpoint == 'resume' and case.ckpt_interval % case.accumulate:
         # Resume at the end of an accumulation window: a checkpoint holds no gradients, so
