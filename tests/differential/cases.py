@@ -498,6 +498,11 @@ def _loads_into_plain_model(case: Case, state: Dict[str, torch.Tensor]) -> Optio
     return None
 
 
+def _trained_diff(a: Dict[str, Any], b: Dict[str, Any]) -> float:
+    """How far two variants' trained state (weights, buffers, optimizer state) ended apart."""
+    return max(max_abs_diff(a['state'], b['state']), max_abs_diff(a['optim'], b['optim']))
+
+
 def judge(case: Case, ranks: Dict[str, Any], stock: Optional[Dict[str, Any]]) -> List[str]:
     """Every oracle that applies to ``case``; the list of what failed (empty: it holds)."""
     failures: List[str] = []
@@ -526,14 +531,12 @@ def judge(case: Case, ranks: Dict[str, Any], stock: Optional[Dict[str, Any]]) ->
     if 'eval' in ranks:
         stock_moved = stock is not None and max_abs_diff(stock['base'], stock['eval']) != 0
         if not stock_moved:  # where the stock run changes too, the relation does not hold
-            diff = max(max_abs_diff(base['state'], ranks['eval']['state']),
-                       max_abs_diff(base['optim'], ranks['eval']['optim']))
+            diff = _trained_diff(base, ranks['eval'])
             if diff != 0:
                 failures.append(f'evaluation: inserting {case.evaluation} (val_at={case.val_at}) '
                                 f'moved the trained state by {diff:.3g} (stock run: unchanged)')
     if 'native' in ranks:
-        diff = max(max_abs_diff(base['state'], ranks['native']['state']),
-                   max_abs_diff(base['optim'], ranks['native']['optim']))
+        diff = _trained_diff(base, ranks['native'])
         if diff != 0:
             failures.append(f'strategy: {case.strategy} trained {diff:.3g} away from its native '
                             'keys')
@@ -543,8 +546,7 @@ def judge(case: Case, ranks: Dict[str, Any], stock: Optional[Dict[str, Any]]) ->
             failures.append(f'strategy: the checkpoint is {"sharded" if kinds[0] else "full"}, '
                             f'the native keys write {"sharded" if kinds[1] else "full"}')
     if 'resume' in ranks:
-        diff = max(max_abs_diff(base['state'], ranks['resume']['state']),
-                   max_abs_diff(base['optim'], ranks['resume']['optim']))
+        diff = _trained_diff(base, ranks['resume'])
         if diff != 0:
             failures.append(f'resume: resumed at iteration {case.ckpt_interval}, ended {diff:.3g} '
                             'from the uninterrupted run')
