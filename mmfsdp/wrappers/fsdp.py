@@ -24,6 +24,7 @@ from ..compat import HYBRID_SHARD_ZERO2, set_fsdp1_gradient_sync, with_fsdp1_fp3
 from ..dist import current_device, local_world_size, teardown_at_exit
 from ..meta_init import check_meta_model, materialize, set_preprocessor_device
 from ..options import Accumulation
+from ..policies import ModelIndex
 from ..registry import MODEL_WRAPPERS
 from . import base
 from .base import Layout, ModelHolder, ParallelWrapper, WrapperConfig
@@ -110,6 +111,29 @@ class FSDPConfig(WrapperConfig):
                              "nodes (no_sync skips both); use type='mmfsdp.MMFullyShard' with "
                              "mesh=dict(replicate=..., shard=...), or accumulation='unsharded' / "
                              "'sharded'")
+
+    def layout(self, index: Union[ModelIndex, nn.Module]) -> Layout:
+        """The base layout, refused where torch's FSDP1 fails in the first backward.
+
+        ``NO_SHARD`` with a ``param_dtype`` below fp32 and ``accumulation='unsharded'``
+        assigns a low-precision gradient to the fp32 parameter of a tensor the model
+        uses twice (tied embeddings): 'attempting to assign a gradient with dtype
+        BFloat16 to a tensor with grad_dtype Float' (torch 2.13).
+        """
+        index = ModelIndex.of(index)
+        tied = next((regs for regs in index.registrations.values() if len(regs) > 1), None)
+        if (tied and self.low_precision and self.accumulation is Accumulation.UNSHARDED
+                and self.sharding_strategy is ShardingStrategy.NO_SHARD):
+            raise ValueError(
+                "model_wrapper_cfg.accumulation='unsharded' with sharding_strategy='NO_SHARD' "
+                f'and mixed_precision.param_dtype={self.compute_dtype}: '
+                f'{type(index.model).__name__} shares {" = ".join(n for n, _ in tied)}, and '
+                "torch's FSDP1 then fails in the "
+                "backward (a low-precision gradient assigned to the fp32 parameter). Use "
+                "accumulation='sharded' (NO_SHARD then all-reduces every micro-step), or "
+                "type='mmfsdp.MMDistributedDataParallel' with "
+                "optim_wrapper=dict(type='mmfsdp.AmpOptimWrapper', dtype='bfloat16')")
+        return super().layout(index)
 
     @property
     def offloads_to_cpu(self) -> bool:

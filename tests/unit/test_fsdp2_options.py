@@ -347,3 +347,16 @@ def test_pinned_offload_on_a_cpu_only_machine_says_what_to_do():
                                ).check_device(cpu)
     with pytest.raises(ValueError, match='offload.pin_memory: pinned memory needs an accelerator'):
         FullyShardConfig.from_dict(dict(offload=dict(cpu_offload=True))).check_device(cpu)
+
+
+def test_fsdp1_no_shard_refuses_unsharded_bf16_accumulation_of_a_model_with_tied_weights():
+    """torch's FSDP1 fails in the backward there ('attempting to assign a gradient with dtype
+    BFloat16 to a tensor with grad_dtype Float'; found by the differential tier, seed
+    29944778: the GPT, NO_SHARD, bf16, accumulate 2 unsharded); the toy, untied, trains."""
+    cfg = dict(sharding_strategy='NO_SHARD', mixed_precision=dict(param_dtype='bf16'),
+               accumulation='unsharded')
+    with pytest.raises(ValueError, match="accumulation='unsharded' with sharding_strategy="
+                                         "'NO_SHARD'.*shares wte.weight = lm_head.weight"):
+        FSDPConfig.from_dict(cfg).layout(_gpt())
+    FSDPConfig.from_dict(cfg).layout(ToyClassifier())
+    FSDPConfig.from_dict(dict(cfg, accumulation='sharded')).layout(_gpt())
