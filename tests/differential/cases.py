@@ -195,6 +195,12 @@ def canonical(case: Case) -> Case:
         # refused at start-up (tied weights: torch's FSDP1 fails in the backward); the test:
         # tests/unit/test_fsdp2_options.py::test_fsdp1_no_shard_refuses_unsharded_bf16_*
         fix['accumulation'] = 'sharded'
+    if (case.wrapper == 'fsdp1-shard_grad_op' and case.clip == 'frozen' and case.accumulate > 1
+            and case.checkpoint != 'none'):
+        # Open, not fixed (seed 79072936; docs/contributing.md): a save then fails inside
+        # torch's FSDP1 optimizer-state gather ('Manually calculated _sharded_numel_padded is
+        # incorrect'); drawn again once it is fixed
+        fix['accumulate'] = 1
     if case.evaluation == 'val-first' and case.wrapper.startswith('fsdp1'):
         # FSDP1 refuses train() after val() at the call, by design (its flat shards would
         # feed the optimizer; tests/dist/test_evaluation_lifecycle.py): not a training case
