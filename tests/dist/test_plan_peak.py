@@ -191,11 +191,13 @@ def test_fit_memory_on_a_vision_config(tmp_path, capsys):
     assert {r['activation_checkpointing'] == ['Sequential'] for r in rows} == {True, False}
     text = _plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB').out
     assert "AC on checkpoints Sequential (the model's repeated blocks, layer_cls='auto')" in text
-    # a DDP config (no units) asks for layers to checkpoint: every candidate tries them
+    # a DDP config (no units) asks for layers to checkpoint: every candidate tries them (DDP
+    # refuses mixed_precision: its parameters stay fp32)
     rows = json.loads(_plan(capsys, config, '--world-size', '2', '--fit-memory', '1GiB',
                             '--format', 'json', '--activation-checkpointing', 'Sequential',
                             '--cfg-options', 'model_wrapper_cfg.type='
-                            'mmfsdp.MMDistributedDataParallel').out)
+                            'mmfsdp.MMDistributedDataParallel',
+                            'model_wrapper_cfg.mixed_precision=None').out)
     assert {r['activation_checkpointing'] == ['Sequential'] for r in rows} == {True, False}
     assert 'DDP' in {r['strategy'] for r in rows}
     # fp32_modules carries over to every FSDP candidate
